@@ -1,0 +1,95 @@
+"""Backends and how one is chosen.
+
+A backend is a module with:
+
+    NAME: str
+    is_available(device: torch.device) -> bool
+    supports(problem: GemmProblem) -> str | None        # None, or why not
+    fp8_gemm_nt(a, sa, b, sb, out, c, problem) -> None
+    m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, m_indices, problem) -> None
+    m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem) -> None
+    m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem) -> None
+
+The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
+normalised shapes of `Recipe` (any strides), index tensors are int32, every tensor is on one
+device, and no dimension is zero. A backend writes only `out`; rows that belong to no group
+(m_indices -1, rows at or past masked_m[g]) are left untouched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from .._settings import settings
+from ..problem import GemmProblem
+
+__all__ = ["NAMES", "get_backend", "select_backend"]
+
+NAMES = ("cuda", "triton", "reference")
+_MODULES = {"cuda": ".cuda", "triton": ".triton", "reference": ".reference"}
+_loaded: dict[str, ModuleType | None] = {}
+_load_errors: dict[str, str] = {}
+_chosen: dict[tuple, ModuleType] = {}
+
+
+def get_backend(name: str) -> ModuleType | None:
+    """The backend module, or None when it cannot be imported here (see `load_error`)."""
+    if name not in _MODULES:
+        raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
+    if name not in _loaded:
+        try:
+            _loaded[name] = importlib.import_module(_MODULES[name], __name__)
+        except ImportError as e:  # an optional dependency (triton, cuda-bindings) is missing
+            _loaded[name] = None
+            _load_errors[name] = f"{type(e).__name__}: {e}"
+    return _loaded[name]
+
+
+def load_error(name: str) -> str | None:
+    get_backend(name)
+    return _load_errors.get(name)
+
+
+def _why_not(name: str, problem: GemmProblem, device: torch.device) -> str | None:
+    mod = get_backend(name)
+    if mod is None:
+        return f"cannot import: {_load_errors[name]}"
+    if not mod.is_available(device):
+        return f"not available on {device}"
+    return mod.supports(problem)
+
+
+def select_backend(problem: GemmProblem, device: torch.device, requested: str = "auto") -> ModuleType:
+    """Pick the backend for a problem: `requested` (or FP8GEMM_BACKEND) when not "auto", else the
+    first of cuda, triton (GPU only) that takes the problem, else the reference.
+    An explicitly requested backend that cannot run the problem raises instead of falling back."""
+    if requested == "auto":
+        requested = settings.backend
+    key = (problem, device, requested)
+    mod = _chosen.get(key)
+    if mod is not None:
+        return mod
+    if requested != "auto":
+        why = _why_not(requested, problem, device)
+        if why is not None:
+            raise ValueError(f"backend={requested!r} cannot run {problem}: {why}")
+        mod, reasons = get_backend(requested), []
+    else:
+        reasons = []
+        candidates = ("cuda", "triton") if device.type == "cuda" else ()
+        for name in candidates:
+            why = _why_not(name, problem, device)
+            if why is None:
+                mod = get_backend(name)
+                break
+            reasons.append(f"{name}: {why}")
+        else:
+            mod = get_backend("reference")
+    _chosen[key] = mod
+    if settings.print_configs:
+        skipped = f" (skipped {'; '.join(reasons)})" if reasons else ""
+        print(f"[fp8gemm] {problem} -> backend {mod.NAME}{skipped}", flush=True)
+    return mod
