@@ -1,0 +1,85 @@
+"""Layout helpers: TMA alignment, column-major scales, contiguous-layout alignment, SM count."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["get_tma_aligned_size", "get_col_major_tma_aligned_tensor", "is_col_major_tma_aligned",
+           "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms"]
+
+# NOTE: TMA needs global strides that are multiples of 16 bytes.
+_TMA_ALIGN_BYTES = 16
+# Rows per M tile of the grouped kernels: each group of the contiguous layout starts on one.
+_CONTIGUOUS_M_ALIGNMENT = 128
+
+
+def get_tma_aligned_size(x: int, element_size: int) -> int:
+    """x rounded up so that x elements of `element_size` bytes span a multiple of 16 bytes."""
+    if element_size <= 0 or _TMA_ALIGN_BYTES % element_size:
+        raise ValueError(f"element_size must divide 16, got {element_size}")
+    step = _TMA_ALIGN_BYTES // element_size
+    return (x + step - 1) // step * step
+
+
+def is_col_major_tma_aligned(s: torch.Tensor) -> bool:
+    """True when s [..., M, kb] is column-major with M padded to 16 bytes (kernel layout)."""
+    if s.dim() < 2:
+        return False
+    m, kb = s.shape[-2], s.shape[-1]
+    mp = get_tma_aligned_size(m, s.element_size())
+    if s.stride(-2) != 1 and m > 1:
+        return False
+    if kb > 1 and s.stride(-1) != mp:
+        return False
+    return s.dim() == 2 or kb * mp == s.stride(-3) or s.shape[-3] == 1
+
+
+def get_col_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
+    """The values of s [..., M, kb] in the layout fast kernels read: column-major, each column
+    padded to 16 bytes. Returns s itself when it already has that layout."""
+    if not isinstance(s, torch.Tensor) or s.dim() < 2:
+        raise ValueError(f"s must be a tensor [..., M, kb], got "
+                         f"{getattr(s, 'shape', type(s).__name__)}")
+    if is_col_major_tma_aligned(s):
+        return s
+    *lead, m, kb = s.shape
+    mp = get_tma_aligned_size(m, s.element_size())
+    buf = torch.empty(*lead, kb, mp, dtype=s.dtype, device=s.device)
+    out = buf[..., :m].transpose(-1, -2)
+    out.copy_(s)
+    return out
+
+
+def get_m_alignment_for_contiguous_layout() -> int:
+    """Rows each group is padded to in the contiguous grouped layout (one M tile)."""
+    return _CONTIGUOUS_M_ALIGNMENT
+
+
+class _SmCount:
+    """The one piece of mutable state: an optional cap on the SMs kernels may use."""
+
+    override: int | None = None
+
+
+def set_num_sms(num_sms: int | None) -> None:
+    """Limit the SMs persistent kernels use (e.g. to leave room for communication kernels);
+    None restores the device's count."""
+    if num_sms is not None:
+        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
+            raise ValueError(f"num_sms must be a positive int or None, got {num_sms!r}")
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            if num_sms > total:
+                raise ValueError(f"num_sms must be at most the device's {total} SMs, got {num_sms}")
+    _SmCount.override = num_sms
+
+
+def get_num_sms(device: torch.device | int | None = None) -> int:
+    """SMs kernels use: the `set_num_sms` value, else the device's multiprocessor count."""
+    if _SmCount.override is not None:
+        return _SmCount.override
+    if not torch.cuda.is_available():
+        raise RuntimeError("get_num_sms: no CUDA device here; call set_num_sms(n) to set a count")
+    if device is None:
+        device = torch.cuda.current_device()
+    return torch.cuda.get_device_properties(device).multi_processor_count

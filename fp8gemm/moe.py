@@ -1,0 +1,155 @@
+"""MoE layout helpers: router output -> grouped-GEMM layouts, and the weighted combine back.
+
+Token-choice routing gives `topk_ids [T, topk]` (expert of each of a token's k slots; ids outside
+[0, G) are dropped, as expert parallelism does with experts held elsewhere) and `topk_weights`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import get_m_alignment_for_contiguous_layout
+
+__all__ = ["ContiguousLayout", "MaskedLayout", "moe_dispatch_contiguous", "moe_combine_contiguous",
+           "moe_dispatch_masked", "moe_combine_masked"]
+
+
+@dataclass(frozen=True)
+class ContiguousLayout:
+    """Rows of x permuted so each expert's rows are together, each group padded to `alignment`.
+
+    x: [R, K] permuted rows (padding rows are zero); m_indices: int32 [R], expert of each row,
+    -1 for padding; offsets: int32 [G + 1], start row of each expert's (padded) run, offsets[G]
+    = R; row_of_slot: int64 [T, topk], the row holding each (token, slot), -1 if dropped.
+    """
+
+    x: torch.Tensor
+    m_indices: torch.Tensor
+    offsets: torch.Tensor
+    row_of_slot: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MaskedLayout:
+    """x: [G, Mmax, K] with expert g's tokens in rows :masked_m[g] (the rest zero); masked_m:
+    int32 [G]; row_of_slot: int64 [T, topk], flat index g * Mmax + row of each slot, -1 if
+    dropped or beyond Mmax."""
+
+    x: torch.Tensor
+    masked_m: torch.Tensor
+    row_of_slot: torch.Tensor
+
+
+def _check_routing(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a [T, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a [T, topk] tensor, got "
+                         f"{getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must have T = {x.shape[0]} rows like x, got {topk_ids.shape[0]}")
+    if topk_ids.device != x.device:
+        raise ValueError(f"topk_ids must be on {x.device} like x, got {topk_ids.device}")
+    if not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+
+
+def _sort_slots(topk_ids: torch.Tensor, num_groups: int):
+    """Slots sorted by expert (stable: token order within an expert), with each slot's rank
+    inside its expert. Dropped slots sort into a last bucket `num_groups`."""
+    flat = topk_ids.flatten().long()
+    flat = torch.where((flat >= 0) & (flat < num_groups), flat, num_groups)
+    order = torch.sort(flat, stable=True).indices
+    expert = flat[order]
+    counts = torch.bincount(flat, minlength=num_groups + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[expert]
+    return order, expert, rank, counts[:num_groups]
+
+
+def moe_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int,
+                            alignment: int | None = None) -> ContiguousLayout:
+    """Build the contiguous layout for `m_grouped_fp8_gemm_nt_contiguous` (or `_offsets` with
+    alignment=1, which needs no padding). x may be any dtype (bf16 before quantisation, or fp8
+    / fp32 scale rows after it). Reads the per-expert counts on the host to size the result
+    (one synchronisation); use the masked layout where that must be avoided."""
+    _check_routing(x, topk_ids, num_groups)
+    if alignment is None:
+        alignment = get_m_alignment_for_contiguous_layout()
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    order, expert, rank, counts = _sort_slots(topk_ids, num_groups)
+    padded = (counts + alignment - 1) // alignment * alignment
+    offsets = torch.zeros(num_groups + 1, dtype=torch.int64, device=x.device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    rows = int(offsets[-1])
+    kept = expert < num_groups
+    dest = offsets[expert.clamp_max(num_groups - 1)] + rank
+    m_indices = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+    m_indices[dest[kept]] = expert[kept].to(torch.int32)
+    xp = torch.zeros((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    xp[dest[kept]] = x[order[kept] // topk_ids.shape[1]]
+    row_of_slot = torch.full((topk_ids.numel(),), -1, dtype=torch.int64, device=x.device)
+    row_of_slot[order[kept]] = dest[kept]
+    return ContiguousLayout(xp, m_indices, offsets.to(torch.int32),
+                            row_of_slot.view(topk_ids.shape))
+
+
+def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int,
+                        max_m: int | None = None) -> MaskedLayout:
+    """Build the masked layout for `m_grouped_fp8_gemm_nt_masked`, with no host synchronisation
+    (CUDA-graph safe). max_m defaults to T, which always suffices for distinct top-k experts;
+    slots beyond max_m in an expert are dropped (capacity limit)."""
+    _check_routing(x, topk_ids, num_groups)
+    t = x.shape[0]
+    if max_m is None:
+        max_m = t
+    if not isinstance(max_m, int) or max_m < 0:
+        raise ValueError(f"max_m must be a non-negative int, got {max_m!r}")
+    order, expert, rank, counts = _sort_slots(topk_ids, num_groups)
+    kept = (expert < num_groups) & (rank < max_m)
+    flat_row = torch.where(kept, expert.clamp_max(num_groups - 1) * max_m + rank, -1)
+    xm = torch.zeros((num_groups * max_m, x.shape[1]), dtype=x.dtype, device=x.device)
+    # NOTE: index_copy with a fixed-size index keeps shapes static; dropped slots go to a
+    # scratch row past the end, sliced away.
+    scratch = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
+    xm = torch.cat([xm, scratch])
+    xm.index_copy_(0, torch.where(kept, flat_row, num_groups * max_m),
+                   x[order // topk_ids.shape[1]])
+    row_of_slot = torch.empty(topk_ids.numel(), dtype=torch.int64, device=x.device)
+    row_of_slot[order] = flat_row
+    masked_m = counts.clamp_max(max_m).to(torch.int32)
+    return MaskedLayout(xm[:-1].view(num_groups, max_m, x.shape[1]), masked_m,
+                        row_of_slot.view(topk_ids.shape))
+
+
+def _combine(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torch.Tensor):
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != row_of_slot.shape:
+        raise ValueError(f"topk_weights must have shape {list(row_of_slot.shape)}, got "
+                         f"{getattr(topk_weights, 'shape', type(topk_weights).__name__)}")
+    valid = row_of_slot >= 0
+    gathered = y_rows[row_of_slot.clamp_min(0)].float()  # [T, topk, N]
+    w = torch.where(valid, topk_weights.float(), 0.0)
+    return (gathered * w.unsqueeze(-1)).sum(dim=1).to(y_rows.dtype)
+
+
+def moe_combine_contiguous(y: torch.Tensor, layout: ContiguousLayout,
+                           topk_weights: torch.Tensor) -> torch.Tensor:
+    """y [R, N] from the grouped GEMM -> [T, N]: sum over slots of weight * expert output,
+    in float32, returned in y's dtype. Dropped slots contribute nothing."""
+    if y.dim() != 2 or y.shape[0] != layout.x.shape[0]:
+        raise ValueError(f"y must be [R, N] with R = {layout.x.shape[0]}, got {list(y.shape)}")
+    return _combine(y, layout.row_of_slot, topk_weights)
+
+
+def moe_combine_masked(y: torch.Tensor, layout: MaskedLayout,
+                       topk_weights: torch.Tensor) -> torch.Tensor:
+    """y [G, Mmax, N] from the masked GEMM -> [T, N], as `moe_combine_contiguous`."""
+    g, mmax = layout.x.shape[:2]
+    if y.dim() != 3 or tuple(y.shape[:2]) != (g, mmax):
+        raise ValueError(f"y must be [G, Mmax, N] = [{g}, {mmax}, N], got {list(y.shape)}")
+    return _combine(y.reshape(g * mmax, -1), layout.row_of_slot, topk_weights)

@@ -1,0 +1,163 @@
+"""Input checks and scale-recipe resolution shared by the op families.
+
+Every check raises TypeError/ValueError naming the argument, what was given and what is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._settings import settings
+from ..problem import FP8_DTYPES, OUT_DTYPES, Recipe, ceil_div
+
+_BLOCK = 128
+
+
+def shape_str(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def split_operand(name: str, operand) -> tuple[torch.Tensor, torch.Tensor]:
+    """`operand` must be a (tensor, scale) pair."""
+    if not isinstance(operand, (tuple, list)) or len(operand) != 2:
+        raise TypeError(f"{name} must be a (tensor, scale) pair, got {type(operand).__name__}")
+    t, s = operand
+    if not isinstance(t, torch.Tensor) or not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a pair of tensors, got "
+                        f"({type(t).__name__}, {type(s).__name__})")
+    return t, s
+
+
+def check_fp8(name: str, t: torch.Tensor, ndim: int, what: str) -> None:
+    if t.dtype not in FP8_DTYPES:
+        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {what}, got shape {shape_str(t.shape)}")
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like a, got {t.device}")
+
+
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def check_values_now(t: torch.Tensor) -> bool:
+    """Value checks read memory: always on the CPU, on a GPU only when FP8GEMM_CHECK_VALUES=1
+    (they synchronise the stream) and never while a CUDA graph is being captured."""
+    if t.device.type == "cpu":
+        return True
+    return settings.check_values and not torch.cuda.is_current_stream_capturing()
+
+
+def check_scale_values(name: str, s: torch.Tensor) -> None:
+    if s.numel() and check_values_now(s) and not bool(torch.isfinite(s).all()):
+        raise ValueError(f"{name} scales must be finite, got a NaN or Inf")
+
+
+def resolve_a_scale(name: str, s: torch.Tensor, lead: tuple[int, ...], rows: int, k: int,
+                    device: torch.device) -> tuple[Recipe, torch.Tensor]:
+    """A's scale -> (recipe, normalised scale). `lead` is () for 2-D A, (G,) for masked A.
+
+    [] or [1]: per-tensor; lead+[rows] or lead+[rows, 1]: per-row; lead+[rows, ceil(K/128)]: 1x128.
+    """
+    kb = ceil_div(k, _BLOCK)
+    _check_scale_tensor(name, s, device)
+    shape = tuple(s.shape)
+    if s.numel() == 1 and len(shape) <= 1:
+        recipe, norm = Recipe.TENSOR, s.reshape(1)
+    elif shape in (lead + (rows,), lead + (rows, 1)):
+        recipe, norm = Recipe.ROW, s.reshape(lead + (rows,))
+    elif shape == lead + (rows, kb):
+        recipe, norm = Recipe.GROUP, s
+    else:
+        r = shape_str(lead + (rows,))
+        raise ValueError(
+            f"{name} scales must be [] or [1] (per-tensor), {r} (per-row) or "
+            f"{shape_str(lead + (rows, kb))} (1x128 groups, ceil(K/128) = {kb}), "
+            f"got {shape_str(shape)}")
+    check_scale_values(name, s)
+    return recipe, norm
+
+
+def resolve_b_scale(name: str, s: torch.Tensor, lead: tuple[int, ...], n: int, k: int,
+                    device: torch.device) -> tuple[Recipe, torch.Tensor]:
+    """B's scale -> (recipe, normalised scale). `lead` is () for dense, (G,) for grouped B.
+
+    Per-tensor: [] or [1] (dense), [G] or [G, 1] (grouped; [] or [1] broadcast to all groups);
+    per-column: lead+[N] or lead+[N, 1]; 128x128 blocks: lead+[ceil(N/128), ceil(K/128)];
+    1x128 groups: lead+[N, ceil(K/128)].
+    """
+    kb, nb = ceil_div(k, _BLOCK), ceil_div(n, _BLOCK)
+    _check_scale_tensor(name, s, device)
+    shape = tuple(s.shape)
+    if s.numel() == 1 and len(shape) <= 1:
+        recipe, norm = Recipe.TENSOR, s.reshape(1).expand(lead + (1,)).reshape(lead or (1,))
+    elif lead and shape in (lead, lead + (1,)):
+        recipe, norm = Recipe.TENSOR, s.reshape(lead)
+    elif shape in (lead + (n,), lead + (n, 1)):
+        recipe, norm = Recipe.ROW, s.reshape(lead + (n,))
+    elif shape == lead + (nb, kb):
+        recipe, norm = Recipe.BLOCK, s
+    elif shape == lead + (n, kb):
+        recipe, norm = Recipe.GROUP, s
+    else:
+        t = "[] or [1]" if not lead else f"{shape_str(lead)} or [] (per-tensor)"
+        raise ValueError(
+            f"{name} scales must be {t}, {shape_str(lead + (n,))} (per-column), "
+            f"{shape_str(lead + (nb, kb))} (128x128 blocks) or {shape_str(lead + (n, kb))} "
+            f"(1x128 groups; ceil(N/128) = {nb}, ceil(K/128) = {kb}), got {shape_str(shape)}")
+    check_scale_values(name, s)
+    return recipe, norm
+
+
+def _check_scale_tensor(name: str, s: torch.Tensor, device: torch.device) -> None:
+    if s.dtype != torch.float32:
+        raise TypeError(f"{name} scales must be torch.float32, got {s.dtype}")
+    check_device(f"{name} scales", s, device)
+
+
+def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.int32 tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape_str(shape)}, got {shape_str(t.shape)}")
+    check_device(name, t, device)
+
+
+def prepare_out(out: torch.Tensor | None, shape: tuple[int, ...], out_dtype: torch.dtype,
+                device: torch.device, zero: bool = False) -> torch.Tensor:
+    """Check a caller's `out`, or allocate one (zeros when some rows may stay unwritten)."""
+    if out is None:
+        check_out_dtype(out_dtype)
+        alloc = torch.zeros if zero else torch.empty
+        return alloc(shape, dtype=out_dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if out.dtype not in OUT_DTYPES:
+        raise TypeError(f"out must be torch.bfloat16 or torch.float32, got {out.dtype}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape_str(shape)}, got {shape_str(out.shape)}")
+    check_device("out", out, device)
+    return out
+
+
+def contiguous_operand(t: torch.Tensor) -> torch.Tensor:
+    """Backends read K-major contiguous operands; a strided view is copied once here."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def run_into(out: torch.Tensor, fn) -> torch.Tensor:
+    """Call `fn(dst)` with a contiguous destination; copy back when `out` is a strided view."""
+    if out.is_contiguous():
+        fn(out)
+    else:
+        tmp = out.contiguous()  # carries rows a grouped op leaves untouched
+        fn(tmp)
+        out.copy_(tmp)
+    return out

@@ -1,0 +1,71 @@
+"""Dense FP8 GEMM: D = A . B^T (+ C)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import select_backend
+from ..problem import GemmKind, GemmProblem
+from ._common import (check_device, check_fp8, check_out_dtype, contiguous_operand, prepare_out,
+                      resolve_a_scale, resolve_b_scale, run_into, shape_str, split_operand)
+
+__all__ = ["fp8_gemm_nt"]
+
+
+def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+    """D = (A * sa) @ (B * sb)^T (+ C), accumulated in float32.
+
+    Args:
+        a: (A, sa). A [M, K] float8_e4m3fn or float8_e5m2, K-major (any strides are accepted;
+            non-contiguous A is copied). sa float32: [] or [1] per-tensor, [M] or [M, 1] per-row,
+            [M, ceil(K/128)] per 1x128 group (fastest in column-major, M padded to 4, as
+            `quantize_per_token` returns it).
+        b: (B, sb). B [N, K] fp8, K-major. sb float32: [] or [1] per-tensor, [N] or [N, 1]
+            per-column, [ceil(N/128), ceil(K/128)] per 128x128 block, [N, ceil(K/128)] per 1x128
+            group.
+        out: optional [M, N] bfloat16 or float32 tensor to write into.
+        c: optional float32 [M, N] added to the product (may be `out` itself).
+        out_dtype: dtype of an allocated output (default bfloat16); must match `out` if given.
+        backend: "auto", "cuda", "triton" or "reference" (FP8GEMM_BACKEND overrides "auto").
+
+    Returns:
+        out, [M, N].
+    """
+    a_t, a_s = split_operand("a", a)
+    b_t, b_s = split_operand("b", b)
+    check_fp8("a", a_t, 2, "[M, K]")
+    check_fp8("b", b_t, 2, "[N, K]")
+    (m, k), (n, kb_) = a_t.shape, b_t.shape
+    if kb_ != k:
+        raise ValueError(f"b must be [N, K] with K = {k} as in a, got {shape_str(b_t.shape)}")
+    device = a_t.device
+    check_device("b", b_t, device)
+    if out_dtype is None:
+        out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
+    check_out_dtype(out_dtype)
+    if isinstance(out, torch.Tensor) and out.dtype != out_dtype:
+        raise TypeError(f"out must have out_dtype {out_dtype}, got {out.dtype}")
+    a_recipe, sa = resolve_a_scale("a", a_s, (), m, k, device)
+    b_recipe, sb = resolve_b_scale("b", b_s, (), n, k, device)
+    if c is not None:
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.float32:
+            raise TypeError(f"c must be a torch.float32 tensor, got "
+                            f"{getattr(c, 'dtype', type(c).__name__)}")
+        if tuple(c.shape) != (m, n):
+            raise ValueError(f"c must have shape [{m}, {n}], got {shape_str(c.shape)}")
+        check_device("c", c, device)
+    out = prepare_out(out, (m, n), out_dtype, device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(c) if c is not None else out.zero_()
+
+    problem = GemmProblem(GemmKind.DENSE, m, n, k, 1, a_t.dtype, b_t.dtype, a_recipe, b_recipe,
+                          out_dtype, has_c=c is not None)
+    impl = select_backend(problem, device, backend)
+    a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
+    if c is not None:
+        c = c.contiguous() if c is not out else c
+    return run_into(out, lambda dst: impl.fp8_gemm_nt(a_t, sa, b_t, sb, dst,
+                                                      dst if c is out else c, problem))

@@ -1,0 +1,164 @@
+"""Quantisation to FP8: per-token 1x128, per-block 128x128, per-tensor, per-channel, delayed.
+
+Rule for every recipe: scale = amax / fmt_max over the group (amax floored at AMAX_FLOOR so an
+all-zero group gets a finite scale), optionally rounded up to a power of two; q = x / scale,
+clamped to +-fmt_max, rounded to nearest in the fp8 format. Real value = q * scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .layout import get_col_major_tma_aligned_tensor
+from .problem import ceil_div
+
+__all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
+           "quantize_per_tensor", "quantize_per_channel", "DelayedScaling", "calc_diff"]
+
+FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+AMAX_FLOOR = 1e-4
+_GROUP = 128
+
+
+def fp8_dtype(fmt: str) -> tuple[torch.dtype, float]:
+    """(torch dtype, largest finite value) of "e4m3" or "e5m2"."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
+    return FORMATS[fmt]
+
+
+def _check_input(x, min_dim: int = 1) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < min_dim:
+        raise ValueError(f"x must have at least {min_dim} dims, got shape {list(x.shape)}")
+
+
+def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tensor:
+    scale = amax.float().clamp_min(AMAX_FLOOR) / fmax
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return scale
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda":
+        return False
+    from .backends import get_backend
+
+    triton = get_backend("triton")
+    return triton is not None and triton.is_available(x.device)
+
+
+def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
+                       col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations, one scale per 1x128 group along K.
+
+    x [..., M, K] float -> (q [..., M, K] fp8, s [..., M, ceil(K/128)] float32). With
+    col_major_scales (default) s is column-major with M padded to 16 bytes: the layout the
+    CUDA kernels read, so passing it costs no conversion.
+    """
+    _check_input(x, 2)
+    dtype, fmax = fp8_dtype(fmt)
+    if _use_triton(x) and x.is_contiguous():
+        from .backends.triton.quant import quantize_per_token as triton_impl
+
+        return triton_impl(x, fmt=fmt, pow2_scales=pow2_scales, col_major_scales=col_major_scales)
+    k = x.shape[-1]
+    kb = ceil_div(k, _GROUP)
+    xg = F.pad(x.float(), (0, kb * _GROUP - k)).unflatten(-1, (kb, _GROUP))
+    scale = _scale_from_amax(xg.abs().amax(dim=-1), fmax, pow2_scales)
+    q = _cast(xg, scale.unsqueeze(-1), dtype, fmax).flatten(-2)[..., :k]
+    return q.contiguous(), get_col_major_tma_aligned_tensor(scale) if col_major_scales else scale
+
+
+def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
+                       pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights, one scale per 128x128 block.
+
+    w [..., N, K] float -> (q [..., N, K] fp8, s [..., ceil(N/128), ceil(K/128)] float32).
+    """
+    _check_input(w, 2)
+    dtype, fmax = fp8_dtype(fmt)
+    n, k = w.shape[-2:]
+    nb, kb = ceil_div(n, _GROUP), ceil_div(k, _GROUP)
+    wp = F.pad(w.float(), (0, kb * _GROUP - k, 0, nb * _GROUP - n))
+    blocks = wp.unflatten(-1, (kb, _GROUP)).unflatten(-3, (nb, _GROUP))  # [..., nb, 128, kb, 128]
+    scale = _scale_from_amax(blocks.abs().amax(dim=(-3, -1)), fmax, pow2_scales)  # [..., nb, kb]
+    q = _cast(blocks, scale[..., :, None, :, None], dtype, fmax)
+    q = q.flatten(-2).flatten(-3, -2)[..., :n, :k]
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3", *,
+                        pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: x -> (q fp8 like x, s [1] float32)."""
+    _check_input(x)
+    dtype, fmax = fp8_dtype(fmt)
+    scale = _scale_from_amax(x.abs().amax().reshape(1), fmax, pow2_scales)
+    return _cast(x, scale, dtype, fmax), scale
+
+
+def quantize_per_channel(x: torch.Tensor, fmt: str = "e4m3", *,
+                         pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row (per output channel of a weight [N, K], per token of an activation):
+    x [..., R, K] -> (q fp8 like x, s [..., R] float32)."""
+    _check_input(x, 2)
+    dtype, fmax = fp8_dtype(fmt)
+    scale = _scale_from_amax(x.abs().amax(dim=-1), fmax, pow2_scales)
+    return _cast(x, scale.unsqueeze(-1), dtype, fmax), scale
+
+
+class DelayedScaling:
+    """Per-tensor scaling from an amax history (the delayed-scaling recipe of FP8 training).
+
+    Each call quantises x with scale = max(history) / fmt_max (the current amax while the
+    history is still empty), then records x's amax in the history. All on the device, with no
+    host synchronisation, so it can run inside a CUDA graph.
+
+        ds = DelayedScaling(history_len=16)
+        q, s = ds.quantize(x)        # s: [1] float32, the scale used for this call
+    """
+
+    def __init__(self, history_len: int = 16, fmt: str = "e4m3", *, margin: int = 0,
+                 pow2_scales: bool = False, device: torch.device | str | None = None):
+        if not isinstance(history_len, int) or history_len < 1:
+            raise ValueError(f"history_len must be a positive int, got {history_len!r}")
+        if not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"margin must be a non-negative int, got {margin!r}")
+        self.dtype, self.fmax = fp8_dtype(fmt)
+        self.fmt, self.margin, self.pow2_scales = fmt, margin, pow2_scales
+        self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
+
+    def scale(self, current_amax: torch.Tensor) -> torch.Tensor:
+        """The scale the next quantisation uses ([1] float32), given x's current amax."""
+        hist = self.amax_history.max()
+        amax = torch.where(hist > 0, hist, current_amax.float()).reshape(1)
+        return _scale_from_amax(amax * 2.0 ** self.margin, self.fmax, self.pow2_scales)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_input(x)
+        if x.device != self.amax_history.device:
+            self.amax_history = self.amax_history.to(x.device)
+        amax = x.abs().amax().float()
+        scale = self.scale(amax)
+        q = _cast(x, scale, self.dtype, self.fmax)
+        self.amax_history.copy_(torch.roll(self.amax_history, 1))
+        self.amax_history[0] = amax
+        return q, scale
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """1 - 2 sum(xy) / sum(x^2 + y^2) in float64: 0 for equal tensors, scale-free."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if float(denom) == 0.0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
