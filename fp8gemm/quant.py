@@ -157,7 +157,7 @@ class DelayedScaling:
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """1 - 2 sum(xy) / sum(x^2 + y^2) in float64: 0 for equal tensors, scale-free."""
-    x, y = x.double(), y.double()
+    x, y = x.detach().double(), y.detach().double()
     denom = (x * x + y * y).sum()
     if float(denom) == 0.0:
         return 0.0

@@ -30,6 +30,8 @@ __all__ = ["NAMES", "get_backend", "select_backend"]
 
 NAMES = ("cuda", "triton", "reference")
 _MODULES = {"cuda": ".cuda", "triton": ".triton", "reference": ".reference"}
+_CONTRACT = ("NAME", "is_available", "supports", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous",
+             "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked")
 _loaded: dict[str, ModuleType | None] = {}
 _load_errors: dict[str, str] = {}
 _chosen: dict[tuple, ModuleType] = {}
@@ -41,7 +43,11 @@ def get_backend(name: str) -> ModuleType | None:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
     if name not in _loaded:
         try:
-            _loaded[name] = importlib.import_module(_MODULES[name], __name__)
+            mod = importlib.import_module(_MODULES[name], __name__)
+            missing = [f for f in _CONTRACT if not hasattr(mod, f)]
+            if missing:
+                raise ImportError(f"fp8gemm.backends.{name} lacks {', '.join(missing)}")
+            _loaded[name] = mod
         except ImportError as e:  # an optional dependency (triton, cuda-bindings) is missing
             _loaded[name] = None
             _load_errors[name] = f"{type(e).__name__}: {e}"
