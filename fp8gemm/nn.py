@@ -9,7 +9,6 @@ synchronisation).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import quant
@@ -125,8 +124,7 @@ class Fp8MoE(nn.Module):
         a, sa = _ops.quantize_per_token(lay.x, self.fmt)
         h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, self.w13, self.w13_scale, lay.masked_m,
                                                 em, torch.bfloat16)
-        gate, up = h13.split(self.intermediate, dim=-1)
-        a2, sa2 = _ops.quantize_per_token(F.silu(gate.float()) * up.float(), self.fmt)
+        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt)
         y = _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, self.w2, self.w2_scale, lay.masked_m, em,
                                               torch.bfloat16)
         return moe_combine_masked(y, lay, topk_weights).to(x.dtype)

@@ -14,7 +14,8 @@ from .layout import get_col_major_tma_aligned_tensor
 from .problem import ceil_div
 
 __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
-           "quantize_per_tensor", "quantize_per_channel", "DelayedScaling", "calc_diff"]
+           "quantize_per_tensor", "quantize_per_channel", "silu_mul_quantize_per_token",
+           "DelayedScaling", "calc_diff"]
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 AMAX_FLOOR = 1e-4
@@ -42,6 +43,11 @@ def _scale_from_amax(amax: torch.Tensor, fmax: float, pow2: bool) -> torch.Tenso
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """amax of the whole tensor; 0 for an empty one (torch's amax refuses empty input)."""
+    return x.abs().amax() if x.numel() else torch.zeros((), dtype=x.dtype, device=x.device)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
@@ -79,6 +85,18 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
     return q.contiguous(), get_col_major_tma_aligned_tensor(scale) if col_major_scales else scale
 
 
+def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
+                                col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The middle of a SwiGLU expert in one pass: x [..., T, 2I] -> silu(x[..., :I]) * x[..., I:]
+    quantised per 1x128 group, as `quantize_per_token` returns it ([..., T, I] fp8 + scales)."""
+    _check_input(x, 2)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
+    gate, up = x.float().chunk(2, dim=-1)
+    return quantize_per_token(F.silu(gate) * up, fmt, pow2_scales=pow2_scales,
+                              col_major_scales=col_major_scales)
+
+
 def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
                        pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights, one scale per 128x128 block.
@@ -102,7 +120,7 @@ def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3", *,
     """One scale for the whole tensor: x -> (q fp8 like x, s [1] float32)."""
     _check_input(x)
     dtype, fmax = fp8_dtype(fmt)
-    scale = _scale_from_amax(x.abs().amax().reshape(1), fmax, pow2_scales)
+    scale = _scale_from_amax(_amax(x).reshape(1), fmax, pow2_scales)
     return _cast(x, scale, dtype, fmax), scale
 
 
@@ -147,7 +165,7 @@ class DelayedScaling:
         _check_input(x)
         if x.device != self.amax_history.device:
             self.amax_history = self.amax_history.to(x.device)
-        amax = x.abs().amax().float()
+        amax = _amax(x).float()
         scale = self.scale(amax)
         q = _cast(x, scale, self.dtype, self.fmax)
         self.amax_history.copy_(torch.roll(self.amax_history, 1))

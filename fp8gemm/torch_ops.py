@@ -16,7 +16,8 @@ import torch
 from . import ops, quant
 
 __all__ = ["fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
-           "m_grouped_fp8_gemm_nt_masked", "quantize_per_token", "quantize_per_block"]
+           "m_grouped_fp8_gemm_nt_masked", "quantize_per_token", "silu_mul_quantize_per_token",
+           "quantize_per_block"]
 
 _LIB = "fp8gemm"
 
@@ -79,11 +80,27 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3",
 
 @quantize_per_token.register_fake
 def _(x, fmt="e4m3", pow2_scales=False):
+    return _fake_per_token(x, x.shape[-1], fmt)
+
+
+@torch.library.custom_op(f"{_LIB}::silu_mul_quantize_per_token", mutates_args=())
+def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3",
+                                pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = quant.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales)
+    return q, s
+
+
+@silu_mul_quantize_per_token.register_fake
+def _(x, fmt="e4m3", pow2_scales=False):
+    return _fake_per_token(x, x.shape[-1] // 2, fmt)
+
+
+def _fake_per_token(x: torch.Tensor, k: int, fmt: str):
     from .layout import get_tma_aligned_size
     from .problem import ceil_div
 
     dtype, _ = quant.fp8_dtype(fmt)
-    *lead, m, k = x.shape
+    *lead, m, _ = x.shape
     kb, mp = ceil_div(k, 128), get_tma_aligned_size(m, 4)
     lead_strides = []
     step = kb * mp
@@ -91,7 +108,7 @@ def _(x, fmt="e4m3", pow2_scales=False):
         lead_strides.insert(0, step)
         step *= d
     s = x.new_empty_strided((*lead, m, kb), (*lead_strides, 1, mp), dtype=torch.float32)
-    return x.new_empty(x.shape, dtype=dtype), s
+    return x.new_empty((*lead, m, k), dtype=dtype), s
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_per_block", mutates_args=())

@@ -25,6 +25,8 @@ def test_fake_impls_match_real_outputs():
                           test_utils=_OPCHECK)
     torch.library.opcheck(torch.ops.fp8gemm.quantize_per_token, (torch.randn(3, 37, 320),),
                           test_utils=_OPCHECK)
+    torch.library.opcheck(torch.ops.fp8gemm.silu_mul_quantize_per_token, (torch.randn(3, 7, 512),),
+                          test_utils=_OPCHECK)
     torch.library.opcheck(torch.ops.fp8gemm.quantize_per_block, (torch.randn(2, 200, 320),),
                           test_utils=_OPCHECK)
     g, mmax = 3, 16
