@@ -25,6 +25,8 @@ def is_col_major_tma_aligned(s: torch.Tensor) -> bool:
     """True when s [..., M, kb] is column-major with M padded to 16 bytes (kernel layout)."""
     if s.dim() < 2:
         return False
+    if s.numel() == 0:  # nothing to lay out
+        return True
     m, kb = s.shape[-2], s.shape[-1]
     mp = get_tma_aligned_size(m, s.element_size())
     if s.stride(-2) != 1 and m > 1:

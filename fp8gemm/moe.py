@@ -65,7 +65,10 @@ def _sort_slots(topk_ids: torch.Tensor, num_groups: int):
     flat = torch.where((flat >= 0) & (flat < num_groups), flat, num_groups)
     order = torch.sort(flat, stable=True).indices
     expert = flat[order]
-    counts = torch.bincount(flat, minlength=num_groups + 1)
+    # NOTE: bincount sizes its result from the data (a host sync on CUDA); scatter_add into a
+    # fixed [G + 1] keeps the masked path free of synchronisation.
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=flat.device) - starts[expert]
     return order, expert, rank, counts[:num_groups]
@@ -118,8 +121,11 @@ def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int
     # scratch row past the end, sliced away.
     scratch = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
     xm = torch.cat([xm, scratch])
-    xm.index_copy_(0, torch.where(kept, flat_row, num_groups * max_m),
-                   x[order // topk_ids.shape[1]])
+    src = x[order // topk_ids.shape[1]]
+    if xm.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # index_copy_ has no CPU fp8 kernel
+        xm, src = xm.view(torch.uint8), src.view(torch.uint8)
+    xm.index_copy_(0, torch.where(kept, flat_row, num_groups * max_m), src)
+    xm = xm.view(x.dtype)
     row_of_slot = torch.empty(topk_ids.numel(), dtype=torch.int64, device=x.device)
     row_of_slot[order] = flat_row
     masked_m = counts.clamp_max(max_m).to(torch.int32)
@@ -131,10 +137,14 @@ def _combine(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torc
     if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != row_of_slot.shape:
         raise ValueError(f"topk_weights must have shape {list(row_of_slot.shape)}, got "
                          f"{getattr(topk_weights, 'shape', type(topk_weights).__name__)}")
-    valid = row_of_slot >= 0
+    valid = (row_of_slot >= 0).unsqueeze(-1)
+    if y_rows.shape[0] == 0:  # every slot dropped: nothing to gather
+        y_rows = y_rows.new_zeros(1, y_rows.shape[1])
     gathered = y_rows[row_of_slot.clamp_min(0)].float()  # [T, topk, N]
-    w = torch.where(valid, topk_weights.float(), 0.0)
-    return (gathered * w.unsqueeze(-1)).sum(dim=1).to(y_rows.dtype)
+    # NOTE: a dropped slot gathers some row that may be unwritten (NaN, garbage): select, not
+    # multiply by a zero weight, so it contributes nothing.
+    terms = torch.where(valid, gathered * topk_weights.float().unsqueeze(-1), 0.0)
+    return terms.sum(dim=1).to(y_rows.dtype)
 
 
 def moe_combine_contiguous(y: torch.Tensor, layout: ContiguousLayout,

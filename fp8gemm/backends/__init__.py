@@ -11,8 +11,8 @@ A backend is a module with:
     m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem) -> None
 
 The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
-normalised shapes of `Recipe` (any strides), index tensors are int32, every tensor is on one
-device, and no dimension is zero. A backend writes only `out`; rows that belong to no group
+normalised shapes of `Recipe` (any strides), index tensors are contiguous int32, every tensor is
+on one device, and no dimension is zero. A backend writes only `out`; rows that belong to no group
 (m_indices -1, rows at or past masked_m[g]) are left untouched.
 """
 
@@ -74,6 +74,11 @@ def select_backend(problem: GemmProblem, device: torch.device, requested: str = 
     An explicitly requested backend that cannot run the problem raises instead of falling back."""
     if requested == "auto":
         requested = settings.backend
+        if requested != "auto" and requested not in NAMES:
+            raise ValueError(f"FP8GEMM_BACKEND must be one of {('auto',) + NAMES}, "
+                             f"got {requested!r}")
+    elif requested not in NAMES:
+        raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {requested!r}")
     key = (problem, device, requested)
     mod = _chosen.get(key)
     if mod is not None:

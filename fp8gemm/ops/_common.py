@@ -40,9 +40,9 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on {device} like a, got {t.device}")
 
 
-def check_out_dtype(out_dtype: torch.dtype) -> None:
+def check_out_dtype(out_dtype: torch.dtype, name: str = "out_dtype") -> None:
     if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+        raise TypeError(f"{name} must be torch.bfloat16 or torch.float32, got {out_dtype}")
 
 
 def check_values_now(t: torch.Tensor) -> bool:
@@ -50,7 +50,10 @@ def check_values_now(t: torch.Tensor) -> bool:
     (they synchronise the stream) and never while a CUDA graph is being captured."""
     if t.device.type == "cpu":
         return True
-    return settings.check_values and not torch.cuda.is_current_stream_capturing()
+    if t.device.type == "meta":  # no values to read
+        return False
+    # NOTE: is_current_stream_capturing raises on a CPU-only torch build; ask only for CUDA.
+    return settings.check_values and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_scale_values(name: str, s: torch.Tensor) -> None:

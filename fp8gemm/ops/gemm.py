@@ -78,6 +78,7 @@ def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None
     check_device("b", b_t, device)
     if out_dtype is None:
         out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
+        check_out_dtype(out_dtype, "out")  # the dtype came from the caller's out
     check_out_dtype(out_dtype)
     if isinstance(out, torch.Tensor) and out.dtype != out_dtype:
         raise TypeError(f"out must have out_dtype {out_dtype}, got {out.dtype}")

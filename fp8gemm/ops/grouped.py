@@ -26,6 +26,7 @@ def _grouped_b(b, k: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
 def _resolve_out_dtype(out, out_dtype):
     if out_dtype is None:
         out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
+        check_out_dtype(out_dtype, "out")  # the dtype came from the caller's out
     check_out_dtype(out_dtype)
     if isinstance(out, torch.Tensor) and out.dtype != out_dtype:
         raise TypeError(f"out must have out_dtype {out_dtype}, got {out.dtype}")
@@ -78,7 +79,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, out: torch.Tensor | None, m_indices: 
     impl = select_backend(problem, device, backend)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     return run_into(out, lambda dst: impl.m_grouped_fp8_gemm_nt_contiguous(
-        a_t, sa, b_t, sb, dst, m_indices, problem))
+        a_t, sa, b_t, sb, dst, m_indices.contiguous(), problem))
 
 
 def m_grouped_fp8_gemm_nt_offsets(a, b, out: torch.Tensor | None, offsets: torch.Tensor, *,
@@ -106,7 +107,7 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, out: torch.Tensor | None, offsets: torch
     impl = select_backend(problem, device, backend)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     return run_into(out, lambda dst: impl.m_grouped_fp8_gemm_nt_offsets(
-        a_t, sa, b_t, sb, dst, offsets, problem))
+        a_t, sa, b_t, sb, dst, offsets.contiguous(), problem))
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, out: torch.Tensor | None, masked_m: torch.Tensor,
@@ -154,7 +155,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out: torch.Tensor | None, masked_m: torch
     impl = select_backend(problem, device, backend)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     return run_into(out, lambda dst: impl.m_grouped_fp8_gemm_nt_masked(
-        a_t, sa, b_t, sb, dst, masked_m, problem))
+        a_t, sa, b_t, sb, dst, masked_m.contiguous(), problem))
 
 
 def _empty_k(out: torch.Tensor, rows_mask: torch.Tensor) -> torch.Tensor:

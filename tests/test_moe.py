@@ -1,0 +1,253 @@
+"""MoE helpers: router output -> contiguous / masked layout -> grouped GEMM (reference backend)
+-> weighted combine equals the dense per-token computation sum_k w[t,k] * x_t @ W_{e[t,k]}^T."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8gemm
+from helpers import TOL, assert_close_diff, dequant
+
+FP32 = torch.float32
+
+
+def routing(t: int, topk: int, groups: int, dropped: bool = False):
+    """Distinct experts per token (as a top-k router gives), softmax weights; with `dropped`,
+    some slots carry -1 or an id >= G (experts held elsewhere) and one token has none left."""
+    ids = torch.stack([torch.randperm(groups)[:topk] for _ in range(t)]).to(torch.int32)
+    if dropped:
+        ids[0, 0], ids[1, 1], ids[2, 0] = -1, groups, groups + 5
+        ids[3, :] = -1
+    weights = torch.softmax(torch.randn(t, topk), dim=-1)
+    return ids, weights
+
+
+def experts(groups: int, n: int, k: int):
+    w = torch.randn(groups, n, k, dtype=torch.bfloat16)
+    wq, ws = fp8gemm.quantize_per_block(w)
+    w64 = torch.stack([dequant(wq[g], ws[g], "128x128") for g in range(groups)])
+    return (wq, ws), w64
+
+
+def dense_moe(x, ids, weights, w64, keep=None) -> torch.Tensor:
+    """float64 sum over kept slots of weight * (x_t quantised per token) @ W_e^T."""
+    xq, xs = fp8gemm.quantize_per_token(x)
+    x64 = dequant(xq, xs, "1x128")
+    t, topk = ids.shape
+    out = torch.zeros(t, w64.shape[1], dtype=torch.float64)
+    for i in range(t):
+        for j in range(topk):
+            e = int(ids[i, j])
+            if 0 <= e < w64.shape[0] and (keep is None or keep[i, j]):
+                out[i] += float(weights[i, j]) * (x64[i] @ w64[e].T)
+    return out
+
+
+@pytest.mark.parametrize("dropped", (False, True), ids=("all-kept", "dropped-ids"))
+@pytest.mark.parametrize("alignment", (None, 1, 8))
+def test_contiguous_roundtrip(alignment, dropped):
+    t, topk, g, n, k = 50, 3, 5, 200, 320
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids, weights = routing(t, topk, g, dropped)
+    wb, w64 = experts(g, n, k)
+    lay = fp8gemm.moe_dispatch_contiguous(x, ids, g, alignment)
+    align = alignment or fp8gemm.get_m_alignment_for_contiguous_layout()
+
+    # the layout: groups in order, each padded to the alignment with -1 rows of zeros
+    counts = torch.tensor([int(((ids == e)).sum()) for e in range(g)])
+    padded = (counts + align - 1) // align * align
+    assert lay.offsets.dtype == torch.int32 and lay.m_indices.dtype == torch.int32
+    assert lay.offsets.tolist() == [0] + torch.cumsum(padded, 0).tolist()
+    for e in range(g):
+        run = lay.m_indices[lay.offsets[e]:lay.offsets[e + 1]]
+        assert (run[:counts[e]] == e).all() and (run[counts[e]:] == -1).all()
+    assert (lay.x[lay.m_indices == -1] == 0).all()
+    # each kept slot's row holds its token; dropped slots have no row
+    for i in range(t):
+        for j in range(topk):
+            r = int(lay.row_of_slot[i, j])
+            if 0 <= ids[i, j] < g:
+                assert lay.m_indices[r] == ids[i, j] and torch.equal(lay.x[r], x[i])
+            else:
+                assert r == -1
+
+    a = fp8gemm.quantize_per_token(lay.x)
+    y = fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, wb, None, lay.m_indices, out_dtype=FP32,
+                                                 backend="reference")
+    out = fp8gemm.moe_combine_contiguous(y, lay, weights)
+    expect = dense_moe(x, ids, weights, w64)
+    assert out.shape == (t, n) and out.dtype == FP32
+    assert_close_diff(out, expect, TOL[FP32], "contiguous")
+    if dropped:
+        assert (out[3] == 0).all()  # a token with every slot dropped gets nothing
+    if alignment == 1:  # no padding: the offsets op takes the layout as is
+        assert (lay.m_indices >= 0).all()
+        y2 = fp8gemm.m_grouped_fp8_gemm_nt_offsets(a, wb, None, lay.offsets, out_dtype=FP32,
+                                                   backend="reference")
+        assert torch.equal(y2, y)
+
+
+def test_contiguous_dispatch_of_quantised_rows():
+    """Dispatching fp8 rows and their (column-major) scales gives the same layout as dispatching
+    bf16 and quantising after, and the same GEMM result; bf16 combine returns bf16."""
+    t, topk, g, n, k = 40, 2, 4, 200, 320
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids, weights = routing(t, topk, g)
+    wb, w64 = experts(g, n, k)
+    xq, xs = fp8gemm.quantize_per_token(x)
+    lay_q = fp8gemm.moe_dispatch_contiguous(xq, ids, g)
+    lay_s = fp8gemm.moe_dispatch_contiguous(xs, ids, g)
+    lay = fp8gemm.moe_dispatch_contiguous(x, ids, g)
+    real = lay.m_indices >= 0
+    aq, asc = fp8gemm.quantize_per_token(lay.x)
+    assert lay_q.x.dtype == xq.dtype and torch.equal(lay_q.x.float(), aq.float())
+    assert torch.equal(lay_s.x[real], asc[real])
+    y = fp8gemm.m_grouped_fp8_gemm_nt_contiguous((lay_q.x, lay_s.x), wb, None, lay.m_indices,
+                                                 backend="reference")
+    out = fp8gemm.moe_combine_contiguous(y, lay, weights)
+    assert out.dtype == torch.bfloat16
+    assert_close_diff(out, dense_moe(x, ids, weights, w64), TOL[torch.bfloat16], "fp8 dispatch")
+
+
+def test_contiguous_deepseek_k():
+    """The real K = 7168 with 8 experts (N shrunk to 256)."""
+    t, topk, g, n, k = 32, 4, 8, 256, 7168
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids, weights = routing(t, topk, g)
+    wb, w64 = experts(g, n, k)
+    lay = fp8gemm.moe_dispatch_contiguous(x, ids, g)
+    y = fp8gemm.m_grouped_fp8_gemm_nt_contiguous(fp8gemm.quantize_per_token(lay.x), wb, None,
+                                                 lay.m_indices, backend="reference")
+    assert_close_diff(fp8gemm.moe_combine_contiguous(y, lay, weights),
+                      dense_moe(x, ids, weights, w64), TOL[torch.bfloat16], "K=7168")
+
+
+@pytest.mark.parametrize("dropped", (False, True), ids=("all-kept", "dropped-ids"))
+def test_masked_roundtrip(dropped):
+    t, topk, g, n, k = 50, 3, 5, 200, 320
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids, weights = routing(t, topk, g, dropped)
+    wb, w64 = experts(g, n, k)
+    lay = fp8gemm.moe_dispatch_masked(x, ids, g)
+    counts = torch.tensor([int((ids == e).sum()) for e in range(g)], dtype=torch.int32)
+    assert lay.x.shape == (g, t, k) and torch.equal(lay.masked_m, counts)
+    rows = torch.arange(t)[None, :] < counts[:, None]
+    assert (lay.x[~rows] == 0).all()
+    a = fp8gemm.quantize_per_token(lay.x)
+    y = fp8gemm.m_grouped_fp8_gemm_nt_masked(a, wb, None, lay.masked_m, expected_m=8,
+                                             out_dtype=FP32, backend="reference")
+    out = fp8gemm.moe_combine_masked(y, lay, weights)
+    assert out.shape == (t, n) and out.dtype == FP32
+    assert_close_diff(out, dense_moe(x, ids, weights, w64), TOL[FP32], "masked")
+    if dropped:
+        assert (lay.row_of_slot[ids < 0] == -1).all() and (lay.row_of_slot[ids >= g] == -1).all()
+        assert (out[3] == 0).all()
+
+
+def test_masked_capacity_max_m():
+    """Slots beyond max_m in an expert are dropped (the first max_m in token order are kept)."""
+    t, topk, g, n, k, max_m = 40, 2, 3, 200, 320, 6
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids, weights = routing(t, topk, g)
+    wb, w64 = experts(g, n, k)
+    lay = fp8gemm.moe_dispatch_masked(x, ids, g, max_m=max_m)
+    counts = torch.tensor([int((ids == e).sum()) for e in range(g)])
+    assert (counts > max_m).any()  # the test needs an overfull expert
+    assert lay.x.shape == (g, max_m, k)
+    assert lay.masked_m.tolist() == counts.clamp_max(max_m).tolist()
+    # expected kept slots: per expert, the first max_m in (token, slot) order
+    keep = torch.zeros(t, topk, dtype=torch.bool)
+    seen = [0] * g
+    for i in range(t):
+        for j in range(topk):
+            e = int(ids[i, j])
+            keep[i, j] = seen[e] < max_m
+            seen[e] += 1
+    assert torch.equal(lay.row_of_slot >= 0, keep)
+    y = fp8gemm.m_grouped_fp8_gemm_nt_masked(fp8gemm.quantize_per_token(lay.x), wb, None,
+                                             lay.masked_m, out_dtype=FP32, backend="reference")
+    out = fp8gemm.moe_combine_masked(y, lay, weights)
+    assert_close_diff(out, dense_moe(x, ids, weights, w64, keep), TOL[FP32], "capacity")
+
+
+def test_masked_dispatch_of_fp8_rows():
+    """fp8 rows dispatch like the bf16 rows they came from (no fp8 index_copy on the CPU)."""
+    x = torch.randn(20, 256, dtype=torch.bfloat16)
+    ids, _ = routing(20, 2, 4)
+    xq, _ = fp8gemm.quantize_per_token(x)
+    lay_q = fp8gemm.moe_dispatch_masked(xq, ids, 4)
+    lay = fp8gemm.moe_dispatch_masked(x, ids, 4)
+    assert lay_q.x.dtype == xq.dtype
+    assert torch.equal(lay_q.x.float(), fp8gemm.quantize_per_token(lay.x)[0].float())
+
+
+def test_masked_dispatch_needs_no_host_sync():
+    """On 'meta' tensors any read-back (item(), bool(), tolist(), data-sized results such as
+    bincount) raises: dispatching there shows the masked path is CUDA-graph safe."""
+    x = torch.empty(16, 256, device="meta", dtype=torch.bfloat16)
+    ids = torch.empty(16, 4, device="meta", dtype=torch.int32)
+    lay = fp8gemm.moe_dispatch_masked(x, ids, 8, max_m=16)
+    assert lay.x.shape == (8, 16, 256) and lay.masked_m.shape == (8,)
+    w = torch.empty(16, 4, device="meta")
+    y = torch.empty(8, 16, 512, device="meta", dtype=torch.bfloat16)
+    assert fp8gemm.moe_combine_masked(y, lay, w).shape == (16, 512)
+
+
+def test_no_tokens_for_some_experts():
+    """Experts that get no token: empty runs (contiguous) and masked_m = 0 (masked)."""
+    t, g, n, k = 6, 4, 200, 320
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids = torch.tensor([[0], [0], [2], [0], [2], [2]], dtype=torch.int32)
+    w = torch.ones(t, 1)
+    wb, w64 = experts(g, n, k)
+    expect = dense_moe(x, ids, w, w64)
+    lay = fp8gemm.moe_dispatch_contiguous(x, ids, g, alignment=1)
+    assert lay.offsets.tolist() == [0, 3, 3, 6, 6]
+    y = fp8gemm.m_grouped_fp8_gemm_nt_offsets(fp8gemm.quantize_per_token(lay.x), wb, None,
+                                              lay.offsets, out_dtype=FP32, backend="reference")
+    assert_close_diff(fp8gemm.moe_combine_contiguous(y, lay, w), expect, TOL[FP32])
+    lay = fp8gemm.moe_dispatch_masked(x, ids, g)
+    assert lay.masked_m.tolist() == [3, 0, 3, 0]
+    y = fp8gemm.m_grouped_fp8_gemm_nt_masked(fp8gemm.quantize_per_token(lay.x), wb, None,
+                                             lay.masked_m, out_dtype=FP32, backend="reference")
+    assert_close_diff(fp8gemm.moe_combine_masked(y, lay, w), expect, TOL[FP32])
+
+
+def test_dropped_slots_ignore_unwritten_rows():
+    """The grouped GEMMs leave rows of no group untouched, so a caller's out may hold NaN or
+    garbage there (e.g. a CUDA-graph buffer from torch.empty); dropped slots must not pick it up.
+    Expert 0 gets no token, so row 0 (where a dropped slot's index lands) is never written."""
+    t, g, n, k = 8, 3, 200, 320
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids = torch.randint(1, g, (t, 2), dtype=torch.int32)
+    ids[:, 1] = torch.where(ids[:, 0] == 1, 2, 1)
+    ids[0, 1], ids[5, 0] = -1, g + 1
+    w = torch.rand(t, 2)
+    wb, w64 = experts(g, n, k)
+    expect = dense_moe(x, ids, w, w64)
+    nan = float("nan")
+    lay = fp8gemm.moe_dispatch_masked(x, ids, g)
+    y = fp8gemm.m_grouped_fp8_gemm_nt_masked(fp8gemm.quantize_per_token(lay.x), wb,
+                                             torch.full((g, t, n), nan), lay.masked_m,
+                                             backend="reference")
+    assert_close_diff(fp8gemm.moe_combine_masked(y, lay, w), expect, TOL[FP32], "masked")
+    lay = fp8gemm.moe_dispatch_contiguous(x, ids, g, alignment=4)
+    y = fp8gemm.m_grouped_fp8_gemm_nt_contiguous(fp8gemm.quantize_per_token(lay.x), wb,
+                                                 torch.full((lay.x.shape[0], n), nan),
+                                                 lay.m_indices, backend="reference")
+    assert_close_diff(fp8gemm.moe_combine_contiguous(y, lay, w), expect, TOL[FP32], "contiguous")
+
+
+def test_every_slot_dropped():
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    ids = torch.full((4, 2), -1, dtype=torch.int32)
+    lay = fp8gemm.moe_dispatch_contiguous(x, ids, 3)
+    assert lay.x.shape == (0, 128) and lay.m_indices.numel() == 0
+    assert lay.offsets.tolist() == [0, 0, 0, 0]
+    out = fp8gemm.moe_combine_contiguous(torch.zeros(0, 16), lay, torch.ones(4, 2))
+    assert out.shape == (4, 16) and (out == 0).all()
+    lay = fp8gemm.moe_dispatch_masked(x, ids, 3)
+    assert lay.masked_m.tolist() == [0, 0, 0]
+    out = fp8gemm.moe_combine_masked(torch.full((3, 4, 16), float("nan")), lay, torch.ones(4, 2))
+    assert (out == 0).all()
