@@ -130,7 +130,8 @@ def quantize_per_channel(x: torch.Tensor, fmt: str = "e4m3", *,
     x [..., R, K] -> (q fp8 like x, s [..., R] float32)."""
     _check_input(x, 2)
     dtype, fmax = fp8_dtype(fmt)
-    scale = _scale_from_amax(x.abs().amax(dim=-1), fmax, pow2_scales)
+    amax = x.abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
+    scale = _scale_from_amax(amax, fmax, pow2_scales)
     return _cast(x, scale.unsqueeze(-1), dtype, fmax), scale
 
 
@@ -175,6 +176,9 @@ class DelayedScaling:
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """1 - 2 sum(xy) / sum(x^2 + y^2) in float64: 0 for equal tensors, scale-free."""
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or x.shape != y.shape:
+        raise ValueError(f"x and y must be tensors of one shape, got "
+                         f"{list(getattr(x, 'shape', []))} and {list(getattr(y, 'shape', []))}")
     x, y = x.detach().double(), y.detach().double()
     denom = (x * x + y * y).sum()
     if float(denom) == 0.0:

@@ -152,7 +152,7 @@ CASES = [
      ValueError, r"^masked_m must lie in \[0, Mmax = 8\]"),
     ("expected_m-negative", lambda: masked(expected_m=-1), ValueError,
      r"^expected_m must be a non-negative int, got -1"),
-    ("expected_m-not-int", lambda: masked(expected_m=2.5), ValueError, r"^expected_m must be"),
+    ("expected_m-not-int", lambda: masked(expected_m=2.5), TypeError, r"^expected_m must be an int, got float"),
     # -- device (meta stands in for another device) -------------------------------------------
     ("b-device", lambda: dense(b=(meta(B[0]), B[1])), ValueError,
      r"^b must be on cpu like a, got meta"),

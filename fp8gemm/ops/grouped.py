@@ -143,7 +143,9 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out: torch.Tensor | None, masked_m: torch
             raise ValueError(f"masked_m must lie in [0, Mmax = {mmax}], got values in [{lo}, {hi}]")
     if expected_m is None:
         expected_m = mmax
-    if not isinstance(expected_m, int) or isinstance(expected_m, bool) or expected_m < 0:
+    if not isinstance(expected_m, int) or isinstance(expected_m, bool):
+        raise TypeError(f"expected_m must be an int, got {type(expected_m).__name__}")
+    if expected_m < 0:
         raise ValueError(f"expected_m must be a non-negative int, got {expected_m!r}")
     out = prepare_out(out, (g, mmax, n), out_dtype, device, zero=True)
     if g == 0 or mmax == 0 or n == 0:
