@@ -1,0 +1,426 @@
+"""Result files and what is made from them: the JSON form of DESIGN.md section 6, markdown tables
+with ratios and geometric means, and a PNG plot.
+
+    {"meta": {"gpu", "clocks", "torch", "triton", "cuda", "commit", "date"},
+     "rows": [{"suite", "op", "shape": {"m", "n", "k", "groups"}, "impl",
+               "us", "eager_us", "tflops", "gbs", "diff"}]}
+
+`m` is M per group for grouped ops. Ratios are taken inside one file only: every figure is a
+ratio against a peer measured in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+from .suites import BASELINE, Case
+from .timing import geomean
+
+__all__ = ["META_KEYS", "ROW_KEYS", "SHAPE_KEYS", "IMPL_ORDER", "read_clocks", "make_meta",
+           "is_wrong", "make_row", "make_doc", "validate_doc", "write_json", "load_json", "ratios",
+           "geomeans", "markdown", "summary_markdown", "plot"]
+
+META_KEYS = ("gpu", "clocks", "torch", "triton", "cuda", "commit", "date")
+ROW_KEYS = ("suite", "op", "shape", "impl", "us", "eager_us", "tflops", "gbs", "diff")
+SHAPE_KEYS = ("m", "n", "k", "groups")
+IMPL_ORDER = ("fp8gemm-cuda", "fp8gemm-triton", "fp8gemm-reference", "cublas-block",
+              "cublas-tensor", "cublas-rowwise-grouped", "torch-bf16")
+_SUITE_ORDER = ("deepseek-dense", "deepseek-grouped", "irregular")
+_OP_ORDER = ("dense", "contiguous", "masked")
+# M buckets of the per-range geometric means: decode-sized and prefill-sized.
+_SMALL_M = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# The JSON form.
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _commit() -> str:
+    env = os.environ.get("FP8GEMM_COMMIT", "").strip()
+    if env:
+        return env
+    root = Path(__file__).resolve().parents[2]
+    head = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
+    if head is None:
+        return "unknown"
+    dirty = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    return head + ("-dirty" if dirty else "")
+
+
+def read_clocks() -> str:
+    """SM, memory and max SM clocks from nvidia-smi (first GPU), e.g. "1980 MHz, 3201 MHz,
+    1980 MHz", or "unknown"."""
+    clocks = _run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm",
+                   "--format=csv,noheader"])
+    return clocks.splitlines()[0] if clocks else "unknown"
+
+
+def make_meta() -> dict:
+    """GPU, clocks (nvidia-smi: SM, memory, max SM), versions, commit and UTC date of this run."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    return {
+        "gpu": gpu,
+        "clocks": f"sm, mem, max sm: {read_clocks()}",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "commit": _commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def _num(x: float | None, digits: int) -> float | None:
+    """Rounded to `digits` significant digits; None for a missing or non-finite value."""
+    if x is None or not math.isfinite(x):
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def make_row(suite: str, op: str, shape: dict, impl: str, us: float, eager_us: float,
+             tflops: float, gbs: float, diff: float | None) -> dict:
+    return {"suite": suite, "op": op, "shape": {k: int(shape[k]) for k in SHAPE_KEYS},
+            "impl": impl, "us": _num(us, 5), "eager_us": _num(eager_us, 5),
+            "tflops": _num(tflops, 4), "gbs": _num(gbs, 4), "diff": _num(diff, 3)}
+
+
+def make_doc(meta: dict, rows: list[dict]) -> dict:
+    return {"meta": {k: meta.get(k) for k in META_KEYS}, "rows": list(rows)}
+
+
+def validate_doc(doc: object) -> dict:
+    """`doc` if it has the form above; else ValueError saying what is wrong."""
+    if not isinstance(doc, dict) or set(doc) != {"meta", "rows"}:
+        raise ValueError(f"a result file must be {{'meta', 'rows'}}, got "
+                         f"{sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
+    meta, rows = doc["meta"], doc["rows"]
+    if not isinstance(meta, dict) or set(meta) != set(META_KEYS):
+        raise ValueError(f"meta must have exactly the keys {META_KEYS}, got "
+                         f"{sorted(meta) if isinstance(meta, dict) else meta!r}")
+    if not isinstance(rows, list):
+        raise ValueError(f"rows must be a list, got {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or set(r) != set(ROW_KEYS):
+            raise ValueError(f"rows[{i}] must have exactly the keys {ROW_KEYS}, got "
+                             f"{sorted(r) if isinstance(r, dict) else r!r}")
+        if not isinstance(r["shape"], dict) or set(r["shape"]) != set(SHAPE_KEYS) or not all(
+                isinstance(v, int) and v >= 0 for v in r["shape"].values()):
+            raise ValueError(f"rows[{i}].shape must be {{m, n, k, groups}} of ints, "
+                             f"got {r['shape']!r}")
+        if r["impl"] not in IMPL_ORDER:
+            raise ValueError(f"rows[{i}].impl must be one of {IMPL_ORDER}, got {r['impl']!r}")
+        for key in ("suite", "op"):
+            if not isinstance(r[key], str) or not r[key]:
+                raise ValueError(f"rows[{i}].{key} must be a non-empty string, got {r[key]!r}")
+        for key in ("us", "eager_us", "tflops", "gbs"):
+            v = r[key]
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"rows[{i}].{key} must be a positive number, got {v!r}")
+        if r["diff"] is not None and not isinstance(r["diff"], (int, float)):
+            raise ValueError(f"rows[{i}].diff must be a number or null (NaN), got {r['diff']!r}")
+    return doc
+
+
+def write_json(path: str | os.PathLike, doc: dict) -> None:
+    """Write atomically, so a run that dies leaves the last complete file."""
+    validate_doc(doc)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load_json(path: str | os.PathLike) -> dict:
+    with open(path) as f:
+        doc = json.load(f)
+    try:
+        return validate_doc(doc)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Ratios and geometric means.
+
+
+def _shape_key(r: dict) -> tuple:
+    s = r["shape"]
+    return (s["m"], s["n"], s["k"], s["groups"])
+
+
+def ratios(rows: list[dict]) -> dict[int, float]:
+    """{row index: speed-up over the op's baseline peer (baseline us / row us)} for rows whose
+    shape has a baseline measurement in the same rows."""
+    base = {(r["suite"], r["op"], _shape_key(r)): r["us"] for r in rows
+            if r["impl"] == BASELINE.get(r["op"])}
+    out = {}
+    for i, r in enumerate(rows):
+        b = base.get((r["suite"], r["op"], _shape_key(r)))
+        if b is not None:
+            out[i] = b / r["us"]
+    return out
+
+
+def _bucket(r: dict) -> str:
+    return f"M<={_SMALL_M}" if r["shape"]["m"] <= _SMALL_M else f"M>{_SMALL_M}"
+
+
+def geomeans(rows: list[dict]) -> list[dict]:
+    """Geometric mean of the speed-up over the baseline, for each (suite, op, impl): over all
+    shapes ("all") and over each M range. [{suite, op, impl, range, geomean, count}]."""
+    rat = ratios(rows)
+    groups: dict[tuple, list[float]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        if i in rat:
+            groups[(r["suite"], r["op"], r["impl"], "all")].append(rat[i])
+            groups[(r["suite"], r["op"], r["impl"], _bucket(r))].append(rat[i])
+    out = []
+    for (suite, op, impl, rng), xs in groups.items():
+        out.append({"suite": suite, "op": op, "impl": impl, "range": rng,
+                    "geomean": geomean(xs), "count": len(xs)})
+    return sorted(out, key=lambda g: (_order(g["suite"], _SUITE_ORDER), _order(g["op"], _OP_ORDER),
+                                      _order(g["impl"], IMPL_ORDER),
+                                      ("all", f"M<={_SMALL_M}", f"M>{_SMALL_M}").index(g["range"])))
+
+
+def _order(x: str, seq: tuple) -> int:
+    return seq.index(x) if x in seq else len(seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown.
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "nan" if v is None else format(v, spec)
+
+
+def _label(op: str, shape: tuple) -> str:
+    m, n, k, g = shape
+    return f"{m}x{n}x{k}" if op == "dense" else f"{g}x{m}, {n}x{k}"
+
+
+def _table(header: list[str], body: list[list[str]], align: list[str] | None = None) -> str:
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def _sections(rows: list[dict]) -> list[tuple[str, str, list[int]]]:
+    """[(suite, op, row indices)] in suite/op order."""
+    idx: dict[tuple, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        idx[(r["suite"], r["op"])].append(i)
+    keys = sorted(idx, key=lambda k: (_order(k[0], _SUITE_ORDER), _order(k[1], _OP_ORDER)))
+    return [(s, o, idx[(s, o)]) for s, o in keys]
+
+
+# diff above which a result is marked wrong: impls computing exactly the 1x128/128x128 recipe
+# land near 1e-6 (bf16 output rounding); per-tensor / per-row quantisation adds about 1.5e-3.
+_EXACT_IMPLS = ("fp8gemm-cuda", "fp8gemm-triton", "fp8gemm-reference", "cublas-block")
+_WRONG_EXACT, _WRONG_OTHER = 1e-4, 2e-2
+
+
+def is_wrong(r: dict) -> bool:
+    """The row's output is NaN or too far from the float64 reference to be right."""
+    if r["diff"] is None:
+        return True
+    return r["diff"] > (_WRONG_EXACT if r["impl"] in _EXACT_IMPLS else _WRONG_OTHER)
+
+
+def _shapes(rows: list[dict], indices: list[int]) -> list[tuple]:
+    """Shapes in the order they were measured (the suite's order)."""
+    return list(dict.fromkeys(_shape_key(rows[i]) for i in indices))
+
+
+def _impls(rows: list[dict], indices: list[int]) -> list[str]:
+    present = {rows[i]["impl"] for i in indices}
+    return sorted(present, key=lambda x: _order(x, IMPL_ORDER))
+
+
+def _meta_table(meta: dict) -> str:
+    return _table(["", ""], [[k, str(meta.get(k))] for k in META_KEYS], ["---", "---"])
+
+
+def _detailed(rows: list[dict], suite: str, op: str, indices: list[int], rat: dict) -> str:
+    base = BASELINE.get(op, "?")
+    body = []
+    order = {s: j for j, s in enumerate(_shapes(rows, indices))}
+    for i in sorted(indices, key=lambda i: (order[_shape_key(rows[i])],
+                                            _order(rows[i]["impl"], IMPL_ORDER))):
+        r = rows[i]
+        floor = _floor_us(r)
+        body.append([_label(op, _shape_key(r)), r["impl"], _fmt(r["us"], ".1f"),
+                     _fmt(r["eager_us"], ".1f"), _fmt(r["tflops"], ".0f"), _fmt(r["gbs"], ".0f"),
+                     _fmt(r["diff"], ".1e") + (" WRONG" if is_wrong(r) else ""),
+                     "—" if i not in rat else f"{rat[i]:.2f}",
+                     "—" if floor is None else f"{r['us'] / floor:.2f}"])
+    return (f"#### {suite} / {op}: every measurement\n\n"
+            + _table(["shape", "impl", "µs", "eager µs", "TFLOPS", "GB/s", "diff",
+                      f"× {base}", "µs / floor"], body, ["---", "---"] + ["---:"] * 7))
+
+
+# DESIGN.md section 5: a floor for small-M GEMMs on the H200, bytes / 4.25 TB/s + 4 us.
+_COPY_BYTES_PER_US = 4.25e6
+_EMPTY_KERNEL_US = 4.0
+
+
+def _floor_us(r: dict) -> float | None:
+    """The small-M floor of a row's problem (M per group <= 128 only; larger M is compute-bound
+    and the floor says nothing there)."""
+    s = r["shape"]
+    if s["m"] > _SMALL_M:
+        return None
+    case = Case(r["suite"], r["op"], s["m"], s["n"], s["k"], s["groups"])
+    return case.min_bytes / _COPY_BYTES_PER_US + _EMPTY_KERNEL_US
+
+
+def _wide(rows: list[dict], suite: str, op: str, indices: list[int], rat: dict) -> str:
+    """Shapes down, impls across: device µs and the speed-up over the baseline."""
+    impls = _impls(rows, indices)
+    cell: dict[tuple, int] = {(_shape_key(rows[i]), rows[i]["impl"]): i for i in indices}
+    shapes = _shapes(rows, indices)
+    body = []
+    for s in shapes:
+        line = [_label(op, s)]
+        for impl in impls:
+            i = cell.get((s, impl))
+            if i is None:
+                line.append("—")
+            else:
+                ratio = f" ({rat[i]:.2f}×)" if i in rat else ""
+                wrong = " WRONG" if is_wrong(rows[i]) else ""
+                line.append(f"{rows[i]['us']:.1f}{ratio}{wrong}")
+        body.append(line)
+    head = "M×N×K" if op == "dense" else "G×M, N×K"
+    return (f"#### {suite} / {op}: device µs (× {BASELINE.get(op, '?')})\n\n"
+            + _table([head] + impls, body))
+
+
+def _geomean_table(rows: list[dict]) -> str:
+    """One line per (suite, op, impl): the geomean over all shapes and over each M range."""
+    gm = geomeans(rows)
+    if not gm:
+        return "(no baseline measured: no ratios)"
+    ranges = ("all", f"M<={_SMALL_M}", f"M>{_SMALL_M}")
+    table: dict[tuple, dict] = {}
+    for g in gm:
+        table.setdefault((g["suite"], g["op"], g["impl"]), {})[g["range"]] = g
+    body = []
+    for (suite, op, impl), by in table.items():
+        cells = [f"{by[r]['geomean']:.3f} ({by[r]['count']})" if r in by else "—" for r in ranges]
+        body.append([suite, op, impl] + cells)
+    return _table(["suite", "op", "impl"] + [f"{r} (shapes)" for r in ranges], body,
+                  ["---"] * 3 + ["---:"] * 3)
+
+
+def summary_markdown(doc: dict) -> str:
+    """The short form: one wide table per suite and op, then the geometric means."""
+    rows = doc["rows"]
+    rat = ratios(rows)
+    parts = [_wide(rows, s, o, idx, rat) for s, o, idx in _sections(rows)]
+    parts.append("#### Geometric mean of the speed-up over the baseline peer\n\n"
+                 + _geomean_table(rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def markdown(docs: list[tuple[str, dict]], title: str | None = None,
+             notes: list[str] | None = None) -> str:
+    """Every result file in full: its meta, detailed tables, then the summary (wide tables and
+    geometric means) last. `docs` is [(name, doc)]."""
+    out = [f"# {title}\n"] if title else []
+    out.append(
+        "Device µs: median of >= 30 runs, CUDA events, L2 flushed (256 MB memset) before each "
+        "run, launch cost hidden behind a sleep kernel. Eager µs: 50 back-to-back calls, wall "
+        "clock per call. TFLOPS and GB/s use the problem's FLOPs and fewest bytes (fp8 A and B, "
+        "fp32 scales, bf16 out, each once) for every impl. diff: 1 - 2Σxy/Σ(x²+y²) against a "
+        "float64 product of the dequantised inputs (cublas-tensor and cublas-rowwise-grouped "
+        "quantise per tensor / per row, so their diff includes that quantisation error; "
+        "torch-bf16 includes bf16 rounding). µs / floor (M <= 128): time over bytes / 4.25 TB/s "
+        "+ 4 µs, DESIGN.md section 5's floor (DeepGEMM: 1.31-1.86). WRONG: NaN, or diff above "
+        f"{_WRONG_EXACT:g} ({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others). "
+        "× = speed-up over the baseline peer of the same "
+        "run: " + ", ".join(f"{op}: {impl}" for op, impl in BASELINE.items()) + ". Grouped "
+        "shapes are G×M per group; masked groups are full (masked_m = Mmax).\n")
+    for name, doc in docs:
+        rows = doc["rows"]
+        rat = ratios(rows)
+        out.append(f"## {name}\n\n" + _meta_table(doc["meta"]) + "\n")
+        for s, o, idx in _sections(rows):
+            out.append(_detailed(rows, s, o, idx, rat) + "\n")
+        if notes:
+            out.append("#### Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+        out.append(f"### Summary: {name}\n\n" + summary_markdown(doc))
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot.
+
+
+def plot(doc: dict, path: str | os.PathLike) -> str | None:
+    """A PNG of the speed-up over the baseline, one panel per suite and op. Returns None when
+    written, else why not (matplotlib missing, nothing to plot)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no plot: matplotlib is not importable ({e})"
+    rows = doc["rows"]
+    rat = ratios(rows)
+    sections = [(s, o, [i for i in idx if i in rat]) for s, o, idx in _sections(rows)]
+    sections = [x for x in sections if x[2]]
+    if not sections:
+        return "no plot: no shape has its baseline measured"
+    fig, axes = plt.subplots(len(sections), 1, figsize=(14, 3.6 * len(sections)), squeeze=False)
+    for ax, (suite, op, idx) in zip(axes[:, 0], sections):
+        impls = _impls(rows, idx)
+        shapes = _shapes(rows, idx)
+        width = 0.8 / max(1, len(impls))
+        for j, impl in enumerate(impls):
+            xs, ys = [], []
+            for x, s in enumerate(shapes):
+                for i in idx:
+                    if rows[i]["impl"] == impl and _shape_key(rows[i]) == s:
+                        xs.append(x + (j - (len(impls) - 1) / 2) * width)
+                        ys.append(rat[i])
+            ax.bar(xs, ys, width, label=impl)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([_label(op, s) for s in shapes], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(f"× {BASELINE.get(op)}")
+        ax.set_title(f"{suite} / {op}: speed-up over {BASELINE.get(op)} (higher is better)")
+        ax.legend(fontsize=7, ncol=len(impls))
+    meta = doc["meta"]
+    fig.suptitle(f"fp8gemm on {meta.get('gpu')}, torch {meta.get('torch')}, "
+                 f"commit {str(meta.get('commit'))[:12]}, {meta.get('date')}", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -1,0 +1,102 @@
+"""Measure every case with every implementation that can run it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..quant import calc_diff
+from .impls import Skip, applies, make_data, make_impl, reference_output
+from .report import make_row
+from .suites import Case
+from .timing import DeviceTimer, eager_time_us, gbs, median, tflops
+
+__all__ = ["RunResult", "run_cases"]
+
+
+@dataclass
+class RunResult:
+    rows: list[dict] = field(default_factory=list)
+    skips: list[tuple[str, str, str]] = field(default_factory=list)  # (case, impl, why)
+    notes: list[str] = field(default_factory=list)
+    aborted: str | None = None  # why the run stopped early (a broken CUDA context)
+
+
+def _reference(data) -> torch.Tensor:
+    try:
+        return reference_output(data, torch.float64)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return reference_output(data, torch.float32)
+
+
+def _context_broken(device: torch.device) -> str | None:
+    """A kernel fault (illegal address, trap) poisons the CUDA context for the whole process."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: int,
+              block_way: str | None = None, log: Callable[[str], None] = print,
+              on_row: Callable[[RunResult], None] | None = None, seed: int = 0,
+              timer: DeviceTimer | None = None) -> RunResult:
+    """Time each (case, impl). `on_row` is called after every measured row (to save partial
+    results); a broken CUDA context ends the run with `aborted` set. `timer` defaults to a
+    `DeviceTimer` on `device` (tests pass a stand-in to run on the CPU)."""
+    res = RunResult()
+    timer = timer or DeviceTimer(device)
+    notes_seen: set[str] = set()
+    for case in cases:
+        todo = [i for i in impls if applies(i, case.op)]
+        if not todo:
+            continue
+        data = make_data(case, device, seed)
+        ref = _reference(data)
+        for impl in todo:
+            try:
+                made = make_impl(impl, data, block_way)
+            except Skip as e:
+                res.skips.append((str(case), impl, str(e)))
+                log(f"  {case} {impl:<24} skipped: {e}")
+                broken = _context_broken(device)
+                if broken:
+                    res.aborted = f"{case} {impl}: CUDA context broken ({broken})"
+                    log(f"ABORT: {res.aborted}")
+                    return res
+                continue
+            if made.note and f"{impl}: {made.note}" not in notes_seen:
+                notes_seen.add(f"{impl}: {made.note}")
+                res.notes.append(f"{impl} ({case}): {made.note}")
+            try:
+                out = made.output()
+                diff = calc_diff(out, ref) if not bool(torch.isnan(out).any()) else float("nan")
+                eager = eager_time_us(made.fn, device)
+                us = median(timer.time_us(made.fn, eager.host_us, runs))
+            except Exception as e:  # noqa: BLE001 - a failing impl must not end the benchmark
+                res.skips.append((str(case), impl, f"failed while timed: {type(e).__name__}: {e}"))
+                log(f"  {case} {impl:<24} failed while timed: {type(e).__name__}: {e}")
+                broken = _context_broken(device)
+                if broken:
+                    res.aborted = f"{case} {impl}: CUDA context broken ({broken})"
+                    log(f"ABORT: {res.aborted}")
+                    return res
+                continue
+            row = make_row(case.suite, case.op, case.shape, impl, us, eager.wall_us,
+                           tflops(case.flops, us), gbs(case.min_bytes, us), diff)
+            res.rows.append(row)
+            log(f"  {case} {impl:<24} {us:9.1f} us  eager {eager.wall_us:8.1f} us "
+                f"(host {eager.host_us:6.1f})  {row['tflops']:7.1f} TFLOPS  "
+                f"{row['gbs']:7.0f} GB/s  diff {diff:.1e}")
+            if on_row is not None:
+                on_row(res)
+        del data, ref
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return res

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: the GPU tests, then the benchmark, then a short summary.
+#
+#   FP8GEMM_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh
+#
+# Writes into $OUT (default /tmp/gpu_check_out): gpu_tests.log, bench.log, bench.json (the
+# DESIGN.md form), bench.md, bench.png. Each suite runs in its own process under its own time
+# limit, so a kernel fault or a hang in one loses only that suite; results are saved after every
+# measurement.
+#
+# Environment (all optional):
+#   SUITES="deepseek-dense deepseek-grouped irregular"   suites to run (space or comma separated)
+#   IMPLS=fp8gemm-triton,cublas-block,...                 implementations (default: the bench's)
+#   QUICK=1            30 timed runs instead of 100 and fewer irregular shapes
+#   SKIP_TESTS=1       no pytest;  SKIP_BENCH=1: no benchmark
+#   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
+#   TEST_ARGS="..."    extra pytest arguments (e.g. "-k triton" or "-x")
+#   TEST_TIMEOUT=210   seconds for the tests
+#   TIME_BUDGET=460    seconds for the whole script; the suites share what the tests leave
+#   FP8GEMM_COMMIT     recorded in the results (else git rev-parse, where .git exists)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-/tmp/gpu_check_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FP8GEMM_CACHE_DIR="${FP8GEMM_CACHE_DIR:-/tmp/fp8gemm-cache}"
+if [[ -z "${FP8GEMM_COMMIT:-}" ]]; then
+    FP8GEMM_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+fi
+export FP8GEMM_COMMIT
+SUITES="${SUITES:-deepseek-dense deepseek-grouped irregular}"
+SUITES="${SUITES//,/ }"
+TIME_BUDGET="${TIME_BUDGET:-460}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-210}"
+START=$SECONDS
+WORK="$(mktemp -d /tmp/gpu_check.XXXXXX)"
+
+echo "== gpu_check: commit $FP8GEMM_COMMIT, out $OUT, budget ${TIME_BUDGET}s"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,memory.used \
+    --format=csv,noheader 2>&1 | head -4
+python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"triton", triton.__version__, "gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability())' 2>&1
+
+tests_summary="skipped (SKIP_TESTS=1)"
+if [[ "${SKIP_TESTS:-0}" != "1" ]]; then
+    echo "== pytest -m gpu (limit ${TEST_TIMEOUT}s) -> $OUT/gpu_tests.log"
+    # shellcheck disable=SC2086
+    timeout --signal=INT --kill-after=15 "$TEST_TIMEOUT" \
+        python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TEST_PATHS:-tests/} ${TEST_ARGS:-} \
+        >"$OUT/gpu_tests.log" 2>&1
+    rc=$?
+    tail -n 25 "$OUT/gpu_tests.log"
+    last="$(grep -E '(passed|failed|error|no tests ran)' "$OUT/gpu_tests.log" | tail -n 1)"
+    case $rc in
+        0) tests_summary="ok: $last" ;;
+        5) tests_summary="no gpu tests collected" ;;
+        124|130) tests_summary="TIMED OUT after ${TEST_TIMEOUT}s: $last" ;;
+        *) tests_summary="FAILED (rc $rc): $last" ;;
+    esac
+fi
+
+bench_summary="skipped (SKIP_BENCH=1)"
+if [[ "${SKIP_BENCH:-0}" != "1" ]]; then
+    args=()
+    [[ "${QUICK:-0}" == "1" ]] && args+=(--quick)
+    [[ -n "${IMPLS:-}" ]] && args+=(--impl "$IMPLS")
+    read -r -a suites <<<"$SUITES"
+    jsons=() notes=() failed=()
+    : >"$OUT/bench.log"
+    for i in "${!suites[@]}"; do
+        s="${suites[$i]}"
+        left=$(( TIME_BUDGET - (SECONDS - START) - 20 ))
+        share=$(( left / (${#suites[@]} - i) ))
+        if (( share < 30 )); then
+            echo "== $s: not run, only ${left}s of the budget left" | tee -a "$OUT/bench.log"
+            failed+=("$s (no time left)")
+            continue
+        fi
+        echo "== bench --suite $s (limit ${share}s)" | tee -a "$OUT/bench.log"
+        t0=$SECONDS
+        timeout --signal=INT --kill-after=15 "$share" \
+            python3 -m fp8gemm.bench --suite "$s" "${args[@]}" --json "$WORK/$s.json" \
+            --notes "$WORK/$s.notes" >"$WORK/$s.log" 2>&1
+        rc=$?
+        cat "$WORK/$s.log" >>"$OUT/bench.log"
+        echo "   $s: rc $rc, $(grep -c '^  [a-z-]*/.* us  eager' "$WORK/$s.log") measurements, $(( SECONDS - t0 ))s"
+        (( rc != 0 )) && tail -n 4 "$WORK/$s.log"
+        [[ -s "$WORK/$s.json" ]] && jsons+=("$WORK/$s.json")
+        [[ -s "$WORK/$s.notes" ]] && notes+=(--notes "$WORK/$s.notes")
+        if (( rc != 0 )); then
+            failed+=("$s (rc $rc$( ((rc == 124 || rc == 130)) && echo ', timed out: partial'))")
+            echo "partial or failed: $s (rc $rc)" >>"$WORK/failures.notes"
+        fi
+    done
+    [[ -s "$WORK/failures.notes" ]] && notes+=(--notes "$WORK/failures.notes")
+    if (( ${#jsons[@]} )); then
+        python3 -m fp8gemm.bench --from-json "${jsons[@]}" "${notes[@]}" --json "$OUT/bench.json" \
+            --markdown "$OUT/bench.md" --plot "$OUT/bench.png" >>"$OUT/bench.log" 2>&1 \
+            || echo "merging the results failed: see bench.log"
+    fi
+    bench_summary="${#jsons[@]} of ${#suites[@]} suites with results"
+    (( ${#failed[@]} )) && bench_summary+="; problems: ${failed[*]}"
+fi
+
+echo
+echo "== skipped implementations and peer notes (bench.md has all)"
+if [[ -s "$OUT/bench.md" ]]; then
+    awk '/^#### Notes/{on=1; next} /^###/{on=0} on && NF' "$OUT/bench.md" | cut -c1-220 | head -n 20
+fi
+echo
+echo "== summary (device µs, × baseline peer of the same run)"
+if [[ -s "$OUT/bench.json" ]]; then
+    python3 - "$OUT/bench.json" <<'PY'
+import sys
+from fp8gemm.bench.report import load_json, summary_markdown
+print(summary_markdown(load_json(sys.argv[1])))
+PY
+fi
+echo "tests: $tests_summary"
+echo "bench: $bench_summary"
+echo "files: $(cd "$OUT" && ls | tr '\n' ' ')  ($(( SECONDS - START ))s)"
+rm -rf "$WORK"
