@@ -1,0 +1,311 @@
+// Dense FP8 GEMM for sm_90a: D[M, N] (bf16) = (A * sa) . (B * sb)^T
+//   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
+//   B [N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [ceil(N/128), ceil(K/128)]
+// Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
+// (BLOCK_M = 128) math warpgroups through a ring of kNumStages shared-memory stages.
+#pragma once
+
+#include "sm90_utils.cuh"
+#include "sm90_wgmma_fp8.cuh"
+#include "sm90_scheduler.cuh"
+
+namespace fp8gemm {
+
+template <uint32_t BLOCK_M>
+__host__ __device__ constexpr uint32_t sm90_num_math_threads() { return BLOCK_M / 64 * 128; }
+
+// Largest power of two dividing n, capped at 128.
+__host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
+  return (n & (~n + 1)) < 128 ? (n & (~n + 1)) : 128;
+}
+
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
+struct Sm90Fp8Gemm1d2dLayout {
+  static constexpr uint32_t BLOCK_K = 128;
+  static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, BLOCK_K);
+  // Shared memory, in carve-up order (every tile size is a multiple of 1024 bytes, so the TMA
+  // destinations of the 128-byte swizzle stay 1024-byte aligned).
+  static constexpr uint32_t SMEM_D = BLOCK_M * BLOCK_N * 2;
+  static constexpr uint32_t SMEM_A = BLOCK_M * BLOCK_K;
+  static constexpr uint32_t SMEM_B = BLOCK_N * BLOCK_K;
+  static constexpr uint32_t SMEM_SA = BLOCK_M * 4;
+  static constexpr uint32_t SMEM_SB = ceil_div(2 * kNumKBlocks * 4, 8u) * 8;
+  static constexpr uint32_t SMEM_BARRIERS = 2 * kNumStages * 8;
+  // 1024 bytes of slack to align the dynamic shared-memory base.
+  static constexpr uint32_t kSmemBytes =
+      1024 + SMEM_D + kNumStages * (SMEM_A + SMEM_B + SMEM_SA) + SMEM_SB + SMEM_BARRIERS;
+};
+
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
+          uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize>
+__global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
+sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
+                          const __grid_constant__ TmaDescriptor tmap_a,
+                          const __grid_constant__ TmaDescriptor tmap_b,
+                          const __grid_constant__ TmaDescriptor tmap_sa,
+                          const __grid_constant__ TmaDescriptor tmap_d,
+                          const __grid_constant__ TmaDescriptor tmap_d_tail) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Layout = Sm90Fp8Gemm1d2dLayout<SHAPE_N, SHAPE_K, BLOCK_M, BLOCK_N, kNumStages>;
+  constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
+  constexpr uint32_t WGMMA_M = 64, WGMMA_K = 32;
+  constexpr uint32_t kNumMathThreads = sm90_num_math_threads<BLOCK_M>();
+  constexpr uint32_t kNumMathWarps = kNumMathThreads / 32;
+  constexpr uint32_t kNumKBlocks = Layout::kNumKBlocks;
+  constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+  constexpr uint32_t kNumSbRows = ceil_div(SHAPE_N, 128u);
+  // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
+  constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
+  constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
+  constexpr uint32_t kStageTxBytes = Layout::SMEM_A + Layout::SMEM_B + Layout::SMEM_SA;
+  // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
+  // warpgroups, which hold two BLOCK_N/2 float accumulators per thread. 128 * 40 + 256 * 232 fits
+  // the 64K-register file.
+  constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;
+  constexpr bool kBandAlongM = kNumTMAMulticast > 1 && !kIsMulticastOnA;
+  // Output tile in shared memory: kNumDChunks column chunks of 64 (128 bytes a row, 128-byte
+  // swizzle, one TMA store each through tmap_d), then the last BLOCK_N % 64 columns unswizzled
+  // (tmap_d_tail).
+  // NOTE: with the swizzle, the 8 rows one warp store touches fall in 8 different 16-byte bank
+  // groups: conflict-free, where plain rows of BLOCK_N * 2 bytes collide up to 8 ways.
+  constexpr uint32_t kNumDChunks = BLOCK_N / 64;
+  constexpr uint32_t kTailCols = BLOCK_N % 64;
+
+  // --- static checks ----------------------------------------------------------------------------
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups of 64 rows each");
+  static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
+  // NOTE: a tile spans at most two 128-wide B scale blocks only when its width never straddles a
+  // whole block: BLOCK_N <= 128 + the largest power of two dividing BLOCK_N (e.g. 144, 160, not 152).
+  static_assert(BLOCK_N <= 128 + pow2_factor_128(BLOCK_N), "tile would span three B scale blocks");
+  static_assert(SHAPE_K % 16 == 0, "TMA needs K-major rows of a multiple of 16 bytes");
+  static_assert(SHAPE_N % 8 == 0, "TMA store needs bf16 output rows of a multiple of 16 bytes");
+  static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
+  static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
+  static_assert(kNumStages >= 2, "at least double buffering");
+  static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
+
+  // Guard against a host whose idea of the shared-memory size disagrees with this layout.
+  uint32_t dyn_smem;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < Layout::kSmemBytes) asm volatile("trap;");
+
+  // --- shared-memory carve-up -------------------------------------------------------------------
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem_d = smem;
+  uint8_t* smem_a = smem_d + Layout::SMEM_D;
+  uint8_t* smem_b = smem_a + kNumStages * Layout::SMEM_A;
+  float* smem_sa = reinterpret_cast<float*>(smem_b + kNumStages * Layout::SMEM_B);
+  float* smem_sb = smem_sa + kNumStages * BLOCK_M;  // [2][kNumKBlocks]
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_sb) + Layout::SMEM_SB);
+  uint64_t* empty_bar = full_bar + kNumStages;
+
+  const uint32_t warpgroup = threadIdx.x / 128;
+  const uint32_t lane = lane_idx();
+
+  // --- barrier setup ----------------------------------------------------------------------------
+  if (threadIdx.x == kNumMathThreads) {
+    tma_prefetch_descriptor(&tmap_a);
+    tma_prefetch_descriptor(&tmap_b);
+    tma_prefetch_descriptor(&tmap_sa);
+    tma_prefetch_descriptor(&tmap_d);
+    tma_prefetch_descriptor(&tmap_d_tail);
+  }
+  if (threadIdx.x == 0) {
+    for (uint32_t s = 0; s < kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      // One arrival per math warp of every CTA that writes into this stage.
+      mbar_init(&empty_bar[s], kNumMathWarps * kNumTMAMulticast);
+    }
+    fence_barrier_init();
+  }
+  if constexpr (kNumTMAMulticast > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  TileScheduler<kNumNBlocks, kBandSize, kBandAlongM> scheduler(ceil_div(shape_m, BLOCK_M));
+  uint32_t m_block, n_block;
+
+  if (warpgroup == kNumMathThreads / 128) {
+    // --- producer: one thread issues every TMA load ---------------------------------------------
+    warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == kNumMathThreads) {
+      const bool is_leader = kNumTMAMulticast == 1 || cluster_cta_rank() == 0;
+      uint32_t stage = 0, phase = 0;
+      while (scheduler.next(m_block, n_block)) {
+        const int32_t m0 = static_cast<int32_t>(m_block * BLOCK_M);
+        const int32_t n0 = static_cast<int32_t>(n_block * BLOCK_N);
+        for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+          mbar_wait(&empty_bar[stage], phase ^ 1);
+          uint64_t* bar = &full_bar[stage];
+          mbar_arrive_expect_tx(bar, kStageTxBytes);
+          const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
+          uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
+          uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
+          // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
+          // other CTA's barrier still expects those bytes, so both count the same kStageTxBytes.
+          if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
+            if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
+          } else {
+            tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
+          }
+          if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
+            if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
+          } else {
+            tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
+          }
+          tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, m0, static_cast<int32_t>(kb));
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+      }
+    }
+  } else {
+    // --- consumers: wgmma, promotion with scales, epilogue --------------------------------------
+    warpgroup_reg_alloc<kMathRegs>();
+    const uint32_t warp_in_wg = (threadIdx.x / 32) % 4;
+    // This thread's accumulator rows are r0 and r0 + 8 of the tile (wgmma D fragment layout).
+    const uint32_t r0 = warpgroup * WGMMA_M + warp_in_wg * 16 + lane / 4;
+    const uint32_t col_in_group = (lane % 4) * 2;
+    uint32_t stage = 0, phase = 0;
+
+    // B scales of the (at most two) 128-wide blocks a tile touches, for every k-block: each math
+    // thread fetches kSbPerThread of them into registers one tile ahead.
+    // NOTE: loading them at the start of their own tile put a global-memory round trip (~1 us
+    // from a cold L2) between every two tiles; prefetched, the latency hides under a mainloop.
+    constexpr uint32_t kSbPerThread = ceil_div(2 * kNumKBlocks, kNumMathThreads);
+    float sb_prefetch[kSbPerThread];
+    auto prefetch_sb = [&](uint32_t n_block_) {
+      const uint32_t row0 = n_block_ * BLOCK_N / 128;
+#pragma unroll
+      for (uint32_t j = 0; j < kSbPerThread; ++j) {
+        const uint32_t i = threadIdx.x + j * kNumMathThreads;
+        const uint32_t row = row0 + (i >= kNumKBlocks ? 1 : 0);
+        const uint32_t kb = i >= kNumKBlocks ? i - kNumKBlocks : i;
+        sb_prefetch[j] = (i < 2 * kNumKBlocks && row < kNumSbRows) ? __ldg(sb + row * kNumKBlocks + kb) : 0.0f;
+      }
+    };
+
+    bool has_tile = scheduler.next(m_block, n_block);
+    if (has_tile) prefetch_sb(n_block);
+    while (has_tile) {
+      const uint32_t n0 = n_block * BLOCK_N;
+      // The previous tile's epilogue barrier ordered every math thread's reads of smem_sb first.
+#pragma unroll
+      for (uint32_t j = 0; j < kSbPerThread; ++j) {
+        const uint32_t i = threadIdx.x + j * kNumMathThreads;
+        if (i < 2 * kNumKBlocks) smem_sb[i] = sb_prefetch[j];
+      }
+      named_barrier_sync(1, kNumMathThreads);
+      uint32_t next_m_block = 0, next_n_block = 0;
+      const bool has_next = scheduler.next(next_m_block, next_n_block);
+      if (has_next) prefetch_sb(next_n_block);
+      // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
+      const uint32_t num_first = (128 - n0 % 128) / 8;
+
+      float acc[kNumAccum], final_acc[kNumAccum];
+#pragma unroll
+      for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
+
+      for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+        mbar_wait(&full_bar[stage], phase);
+        const float sa0 = smem_sa[stage * BLOCK_M + r0];
+        const float sa1 = smem_sa[stage * BLOCK_M + r0 + 8];
+        const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
+
+        const uint64_t desc_a =
+            make_smem_desc_sw128(smem_a + stage * Layout::SMEM_A + warpgroup * WGMMA_M * BLOCK_K);
+        const uint64_t desc_b = make_smem_desc_sw128(smem_b + stage * Layout::SMEM_B);
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+        // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
+        if (kb + 1 < kNumKBlocks || kLastKSteps == BLOCK_K / WGMMA_K) {
+#pragma unroll
+          for (uint32_t k = 0; k < BLOCK_K / WGMMA_K; ++k)
+            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+        } else {
+#pragma unroll
+          for (uint32_t k = 0; k < kLastKSteps; ++k)
+            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+        wgmma_wait<0>();
+
+        // The stage is free once this warp's wgmma have read it: release it to every CTA whose
+        // producer writes into it.
+        if constexpr (kNumTMAMulticast == 1) {
+          if (lane == 0) mbar_arrive(&empty_bar[stage]);
+        } else {
+          if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage], lane);
+        }
+
+        // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
+        // K the partial sum moves to FP32 registers, scaled by sa * sb.
+        const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+#pragma unroll
+        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+          const bool first = g < num_first;
+          const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
+          final_acc[4 * g + 0] = fmaf(acc[4 * g + 0], c0, final_acc[4 * g + 0]);
+          final_acc[4 * g + 1] = fmaf(acc[4 * g + 1], c0, final_acc[4 * g + 1]);
+          final_acc[4 * g + 2] = fmaf(acc[4 * g + 2], c1, final_acc[4 * g + 2]);
+          final_acc[4 * g + 3] = fmaf(acc[4 * g + 3], c1, final_acc[4 * g + 3]);
+        }
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+      }
+
+      // --- epilogue: registers -> bf16 tile in shared memory -> one TMA store -------------------
+      // The previous tile's store must have finished reading smem_d before it is overwritten.
+      if (threadIdx.x == 0) tma_store_wait_read();
+      named_barrier_sync(1, kNumMathThreads);
+#pragma unroll
+      for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+        const uint32_t p0 = pack_bf16x2(final_acc[4 * g + 0], final_acc[4 * g + 1]);
+        const uint32_t p1 = pack_bf16x2(final_acc[4 * g + 2], final_acc[4 * g + 3]);
+        if (g / 8 + 1 <= kNumDChunks) {  // (g < 8 * kNumDChunks, without a warning at 0 chunks)
+          // 16-byte unit g % 8 of row r sits at unit (g % 8) ^ (r % 8); r0 % 8 == (r0 + 8) % 8.
+          uint8_t* chunk = smem_d + (g / 8) * BLOCK_M * 128;
+          const uint32_t unit = ((g % 8) ^ (r0 % 8)) * 16 + col_in_group * 2;
+          st_shared_u32(chunk + r0 * 128 + unit, p0);
+          st_shared_u32(chunk + (r0 + 8) * 128 + unit, p1);
+        } else {
+          uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
+          const uint32_t col = (g - kNumDChunks * 8) * 8 + col_in_group;
+          st_shared_u32(tail + (r0 * kTailCols + col) * 2, p0);
+          st_shared_u32(tail + ((r0 + 8) * kTailCols + col) * 2, p1);
+        }
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(1, kNumMathThreads);
+      // NOTE: TMA clips the store at M and N, so partial tiles need no masking.
+      if (threadIdx.x == 0) {
+        const int32_t m0 = static_cast<int32_t>(m_block * BLOCK_M);
+#pragma unroll
+        for (uint32_t c = 0; c + 1 <= kNumDChunks; ++c)
+          tma_store_2d(&tmap_d, smem_d + c * BLOCK_M * 128, static_cast<int32_t>(n0 + c * 64), m0);
+        if constexpr (kTailCols > 0)
+          tma_store_2d(&tmap_d_tail, smem_d + kNumDChunks * BLOCK_M * 128,
+                       static_cast<int32_t>(n0 + kNumDChunks * 64), m0);
+        tma_store_commit();
+      }
+      m_block = next_m_block, n_block = next_n_block, has_tile = has_next;
+    }
+    if (threadIdx.x == 0) tma_store_wait_all();
+  }
+
+  // NOTE: a CTA must not exit while its cluster peer may still arrive on its barriers or write
+  // into its shared memory.
+  if constexpr (kNumTMAMulticast > 1) {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+  }
+#else
+  // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg, TMA multicast).
+  if (blockIdx.x == 0 && threadIdx.x == 0) asm volatile("trap;");
+#endif
+}
+
+}  // namespace fp8gemm

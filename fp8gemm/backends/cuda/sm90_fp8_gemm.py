@@ -1,0 +1,329 @@
+"""Dense FP8 GEMM on sm_90a: config heuristic, kernel source, launch.
+
+Kernel: include/fp8gemm/sm90_fp8_gemm_1d2d.cuh (A scaled per 1x128 group, B per 128x128 block,
+bf16 out). N and K are compile-time constants; M is a kernel argument.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ... import jit
+from ..._settings import settings
+from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
+
+__all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
+           "tile_cost", "mma_efficiency",
+           "kernel_source", "build_kernel", "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+BLOCK_K = 128
+# NOTE: wgmma N goes up to 256, but each math thread holds two BLOCK_N/2 float accumulators
+# (wgmma's and the promoted FP32 one) in 232 registers: 160 is the widest that fits with room for
+# addresses. Above 128 only widths that never straddle three 128-wide B scale blocks
+# (BLOCK_N <= 128 + largest power of two dividing it): 136, 144, 160.
+BLOCK_N_CHOICES = tuple(range(16, 129, 8)) + (136, 144, 160)
+BLOCK_M_CHOICES = (64, 128)
+MAX_STAGES = 8
+MIN_STAGES = 3
+# Tiles per rasterisation band (even: a 2-CTA cluster's two tiles must share a band).
+BAND_SIZE = 16
+# NOTE: cost model of one tile per unit of K: max(MMA time, load time), in FLOP units.
+# - MMA: 2*BM*BN / efficiency. Measured on H200 (scripts/cuda_sweep.py, M = 4096, cold L2): the
+#   tensor cores take N in steps of 32 (N = 136 costs about what 160 does), so efficiency is
+#   BN / align(BN, 32), times 0.96 above 128 (wide tiles lose a little more); one math warpgroup
+#   (BLOCK_M = 64) waits for its own wgmma before each promotion and reaches well under half the
+#   rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights compete).
+# - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
+#   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
+LOAD_WEIGHT = 128
+ONE_WARPGROUP_EFFICIENCY = 0.4
+WIDE_TILE_EFFICIENCY = 0.96
+# 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
+# compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
+# the model says loads bound the tile.
+MULTICAST_MIN_M = 512
+
+
+def mma_efficiency(block_m: int, block_n: int) -> float:
+    eff = block_n / align(block_n, 32)
+    if block_n > 128:
+        eff *= WIDE_TILE_EFFICIENCY
+    if block_m == 64:
+        eff *= ONE_WARPGROUP_EFFICIENCY
+    return eff
+
+
+def tile_cost(block_m: int, block_n: int) -> float:
+    return max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
+               LOAD_WEIGHT * (block_m + block_n))
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the heuristic reads off the device."""
+
+    num_sms: int
+    smem_per_block: int  # opt-in dynamic shared memory per block, bytes
+    l2_bytes: int
+
+    @staticmethod
+    def of(device: torch.device) -> "DeviceFacts":
+        from ...layout import get_num_sms
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = _device_props(index)
+        return DeviceFacts(get_num_sms(index), props[0], props[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_props(index: int) -> tuple[int, int]:
+    p = torch.cuda.get_device_properties(index)
+    return int(p.shared_memory_per_block_optin), int(p.L2_cache_size)
+
+
+@dataclass(frozen=True)
+class Sm90GemmConfig:
+    block_m: int
+    block_n: int
+    num_stages: int
+    num_multicast: int  # CTAs per cluster sharing one TMA load (1 or 2)
+    multicast_on_a: bool  # which operand the cluster shares (meaningful when num_multicast == 2)
+    band_size: int
+    grid: int  # persistent CTAs
+    smem: int  # dynamic shared memory, bytes
+    num_threads: int
+
+    def __str__(self) -> str:
+        mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
+        return (f"sm90_fp8_gemm_1d2d BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} "
+                f"stages={self.num_stages} multicast={mc} grid={self.grid} "
+                f"threads={self.num_threads} smem={self.smem // 1024}KB")
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
+    """Mirror of Sm90Fp8Gemm1d2dLayout::kSmemBytes (the kernel traps if given less)."""
+    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4
+    sb = align(2 * ceil_div(k, BLOCK_K) * 4, 8)
+    return 1024 + block_m * block_n * 2 + num_stages * per_stage + sb + 2 * num_stages * 8
+
+
+def _stages(block_m: int, block_n: int, k: int, smem_limit: int) -> int:
+    for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
+        if smem_bytes(block_m, block_n, s, k) <= smem_limit:
+            return s
+    return 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    block_m: int
+    block_n: int
+    num_stages: int
+    tiles: int
+    waves: int
+    last_wave: int  # tiles in the last wave
+    cost: float  # modelled time: waves * tile_cost (max of MMA and loads per unit of K)
+
+
+def candidate_configs(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
+    """Every tile shape that fits shared memory, with its modelled cost."""
+    out = []
+    for bm in BLOCK_M_CHOICES:
+        if bm == 128 and m <= 64:
+            continue  # a second math warpgroup would only multiply zeros
+        for bn in BLOCK_N_CHOICES:
+            if bn > align(n, 8) and bn != BLOCK_N_CHOICES[0]:
+                continue  # wider than N: only zero columns
+            stages = _stages(bm, bn, k, facts.smem_per_block)
+            if stages == 0:
+                continue
+            tiles = ceil_div(m, bm) * ceil_div(n, bn)
+            waves = ceil_div(tiles, facts.num_sms)
+            last = tiles - (waves - 1) * facts.num_sms
+            cost = waves * tile_cost(bm, bn)
+            out.append(Candidate(bm, bn, stages, tiles, waves, last, cost))
+    return out
+
+
+def _rank(c: Candidate) -> tuple:
+    # Least modelled time (waves x tile cost: fewest waves for what a tile costs); among equals,
+    # fewer tiles (less per-tile overhead: epilogue, pipeline ramp), two math warpgroups, the
+    # fullest last wave, then the wider tile.
+    return (c.cost, c.tiles, -c.block_m, -c.last_wave, -c.block_n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90GemmConfig:
+    cands = candidate_configs(m, n, k, facts)
+    if not cands:
+        raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
+    best = min(cands, key=_rank)
+    num_m_blocks, num_n_blocks = ceil_div(m, best.block_m), ceil_div(n, best.block_n)
+    # NOTE: a 2-CTA cluster shares one operand's tile; both CTAs must run the same tiles in step,
+    # so the shared side needs an even block count (pairs of tiles never straddle a band) and the
+    # grid an even CTA count.
+    multicast, on_a = 1, True
+    load_bound = LOAD_WEIGHT * (best.block_m + best.block_n) > \
+        2 * best.block_m * best.block_n / mma_efficiency(best.block_m, best.block_n)
+    if (m >= MULTICAST_MIN_M and load_bound and facts.num_sms >= 2
+            and best.tiles >= facts.num_sms):
+        b_ok, a_ok = num_m_blocks % 2 == 0, num_n_blocks % 2 == 0
+        if b_ok and (best.block_n >= best.block_m or not a_ok):
+            multicast, on_a = 2, False
+        elif a_ok:
+            multicast, on_a = 2, True
+    grid = min(facts.num_sms, best.tiles)
+    grid -= grid % multicast
+    return Sm90GemmConfig(block_m=best.block_m, block_n=best.block_n, num_stages=best.num_stages,
+                          num_multicast=multicast, multicast_on_a=on_a, band_size=BAND_SIZE,
+                          grid=max(grid, multicast),
+                          smem=smem_bytes(best.block_m, best.block_n, best.num_stages, k),
+                          num_threads=best.block_m // 64 * 128 + 128)
+
+
+def select_config(problem: GemmProblem, facts: DeviceFacts) -> Sm90GemmConfig:
+    """The config for a dense problem on a device: pure and cached."""
+    return _select(problem.m, problem.n, problem.k, facts)
+
+
+# --- kernel source ------------------------------------------------------------------------------------
+def kernel_source(n: int, k: int, cfg: Sm90GemmConfig) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (N, K, config)."""
+    source = "#include <fp8gemm/sm90_fp8_gemm_1d2d.cuh>\n"
+    name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{n}, {k}, {cfg.block_m}, {cfg.block_n}, "
+            f"{cfg.num_stages}, {cfg.num_multicast}, {'true' if cfg.multicast_on_a else 'false'}, "
+            f"{cfg.band_size}>")
+    return source, name
+
+
+def compile_kernel(n: int, k: int, cfg: Sm90GemmConfig, compiler: str | None = None):
+    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
+    source, name = kernel_source(n, k, cfg)
+    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
+
+
+def build_kernel(n: int, k: int, cfg: Sm90GemmConfig) -> jit.Kernel:
+    source, name = kernel_source(n, k, cfg)
+    return jit.build(source, name, (str(INCLUDE_DIR),))
+
+
+# --- launch -------------------------------------------------------------------------------------------
+class _Plan:
+    """Everything fixed for one (problem, device): config, kernel, launch config, arg packs."""
+
+    __slots__ = ("cfg", "kernel", "launch", "device_index", "m", "n", "k", "num_kb", "packs",
+                 "tmaps")
+
+    def __init__(self, problem: GemmProblem, device_index: int,
+                 cfg: Sm90GemmConfig | None = None) -> None:
+        if cfg is None:
+            cfg = select_config(problem, DeviceFacts.of(torch.device("cuda", device_index)))
+        self.cfg = cfg
+        self.m, self.n, self.k = problem.m, problem.n, problem.k
+        self.num_kb = ceil_div(problem.k, BLOCK_K)
+        self.device_index = device_index
+        if cfg.num_multicast == 2:
+            blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
+                      else ceil_div(self.m, cfg.block_m))
+            if blocks % 2:
+                raise RuntimeError(f"internal: multicast config {cfg} needs an even block count")
+        self.kernel = build_kernel(problem.n, problem.k, cfg)
+        self.kernel.set_max_dynamic_smem(cfg.smem, device_index)
+        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem,
+                                       (cfg.num_multicast, 1, 1))
+        self.packs: dict[tuple, jit.ParamPack] = {}
+        self.tmaps = jit.TensorMapCache(capacity=512)
+        if settings.print_configs:
+            print(f"[fp8gemm] cuda: {problem} -> {cfg}", flush=True)
+
+    def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+               out: torch.Tensor, key: tuple) -> jit.ParamPack:
+        cfg, m, n, k = self.cfg, self.m, self.n, self.k
+        tm = self.tmaps
+        sa_stride = align(m, 4) if self.num_kb == 1 else sa.stride(1)
+        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (a.stride(0),), (BLOCK_K, cfg.block_m),
+                       jit.Swizzle.B128)
+        map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (b.stride(0),), (BLOCK_K, cfg.block_n),
+                       jit.Swizzle.B128)
+        map_sa = tm.get(torch.float32, sa.data_ptr(), (m, self.num_kb), (sa_stride * 4,),
+                        (cfg.block_m, 1))
+        # Output: 64-column chunks with the 128-byte swizzle, then the BLOCK_N % 64 tail plain
+        # (the kernel ignores a map it has no columns for).
+        d_stride = (out.stride(0) * out.element_size(),)
+        tail = cfg.block_n % 64
+        map_d = tm.get(out.dtype, out.data_ptr(), (n, m), d_stride, (64, cfg.block_m),
+                       jit.Swizzle.B128) if cfg.block_n >= 64 else None
+        map_d_tail = tm.get(out.dtype, out.data_ptr(), (n, m), d_stride, (tail, cfg.block_m)) \
+            if tail else None
+        pack = jit.ParamPack([ctypes.c_uint64(sb.data_ptr()), ctypes.c_uint32(m),
+                              map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d])
+        if len(self.packs) >= 1024:
+            self.packs.clear()
+        self.packs[key] = pack
+        return pack
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _kernel_a_scales(sa: torch.Tensor, m: int) -> torch.Tensor:
+    """A scales [M, kb] in the kernel's layout: column-major, column stride a multiple of 4 floats
+    (TMA's 16-byte rule), 16-byte aligned base. Returns sa itself when it already is (what
+    quantize_per_token emits), else a converted copy."""
+    s0, s1 = sa.stride()
+    if ((s0 == 1 or m == 1) and (s1 % 4 == 0 and s1 >= m or sa.shape[1] == 1)
+            and sa.data_ptr() % 16 == 0):
+        return sa
+    kb = sa.shape[1]
+    buf = torch.empty((kb, align(m, 4)), dtype=torch.float32, device=sa.device)
+    out = buf[:, :m].t()
+    out.copy_(sa)
+    return out
+
+
+def fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                out: torch.Tensor, problem: GemmProblem) -> None:
+    """out[M, N] = (a * sa) @ (b * sb)^T for a problem `supports` accepted; inputs as the backend
+    contract hands them over (a, b, out contiguous; scales float32, any strides)."""
+    device_index = a.device.index
+    # NOTE: keyed by ints, not the problem: hashing the frozen dataclass costs ~0.5 us per call,
+    # and supports() has already fixed every other field.
+    pkey = (problem.m, problem.n, problem.k, device_index)
+    plan = _plans.get(pkey)
+    if plan is None:
+        plan = _plans[pkey] = _Plan(problem, device_index)
+    sa = _kernel_a_scales(sa, problem.m)
+    if not sb.is_contiguous():
+        sb = sb.contiguous()
+    key = (a.data_ptr(), sa.data_ptr(), sa.stride(1), b.data_ptr(), sb.data_ptr(), out.data_ptr())
+    pack = plan.packs.get(key)
+    if pack is None:
+        pack = plan.params(a, sa, b, sb, out, key)
+    plan.kernel.launch(plan.launch, torch._C._cuda_getCurrentRawStream(device_index), pack)
+
+
+def supports(problem: GemmProblem) -> str | None:
+    """None when this kernel runs the problem, else why not."""
+    if problem.kind is not GemmKind.DENSE:
+        return f"{problem.kind.value} GEMMs are not implemented in the CUDA backend yet"
+    if problem.a_dtype != torch.float8_e4m3fn or problem.b_dtype != torch.float8_e4m3fn:
+        return "the sm90 kernel takes e4m3 x e4m3 only"
+    if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.BLOCK:
+        return "the sm90 kernel takes A 1x128 groups with B 128x128 blocks only"
+    if problem.out_dtype != torch.bfloat16:
+        return "the sm90 kernel writes bfloat16 only"
+    if problem.has_c:
+        return "the sm90 kernel has no C accumulator input"
+    if problem.k % 16:
+        return f"TMA needs K % 16 == 0 (16-byte rows of A and B), got K={problem.k}"
+    if problem.n % 8:
+        return f"TMA needs N % 8 == 0 (16-byte rows of bf16 output), got N={problem.n}"
+    if problem.m >= 2 ** 31 or problem.n >= 2 ** 31 or problem.k >= 2 ** 31:
+        return "dimensions must fit in int32 TMA coordinates"
+    return None

@@ -1,0 +1,215 @@
+"""CUDA backend without a GPU: the config heuristic's choices, and every kernel it picks for the
+DeepSeek-V3 dense suite compiled for sm_90a (NVRTC, else nvcc), with no spills, no local memory
+and QGMMA (FP8 wgmma) in the SASS."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8gemm.backends.cuda import sm90_fp8_gemm as g
+from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
+
+E4M3 = torch.float8_e4m3fn
+H200 = g.DeviceFacts(num_sms=132, smem_per_block=232448, l2_bytes=60 * 2 ** 20)
+H100_PCIE = g.DeviceFacts(num_sms=114, smem_per_block=232448, l2_bytes=50 * 2 ** 20)
+DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+DSV3 = [(m, n, k) for m in (64, 128, 4096) for (n, k) in DSV3_NK]
+AWKWARD = [(1, 576, 320), (37, 576, 320), (130, 576, 320), (37, 200, 336), (257, 1000, 4096)]
+
+
+def problem(m, n, k, **kw) -> GemmProblem:
+    base = dict(kind=GemmKind.DENSE, m=m, n=n, k=k, groups=1, a_dtype=E4M3, b_dtype=E4M3,
+                a_recipe=Recipe.GROUP, b_recipe=Recipe.BLOCK, out_dtype=torch.bfloat16)
+    base.update(kw)
+    return GemmProblem(**base)
+
+
+# --- supports ------------------------------------------------------------------------------------
+def test_supports_accepts_the_suite():
+    for m, n, k in DSV3 + AWKWARD:
+        assert g.supports(problem(m, n, k)) is None
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(kind=GemmKind.MASKED, groups=2), "masked"),
+    (dict(b_dtype=torch.float8_e5m2), "e4m3"),
+    (dict(a_recipe=Recipe.ROW), "1x128"),
+    (dict(b_recipe=Recipe.TENSOR), "128x128"),
+    (dict(out_dtype=torch.float32), "bfloat16"),
+    (dict(has_c=True), "C"),
+    (dict(k=328), "K % 16"),
+    (dict(n=580), "N % 8"),
+])
+def test_supports_refuses_with_reason(kw, needle):
+    shape = dict(m=64, n=576, k=512)
+    shape.update({key: kw.pop(key) for key in ("n", "k") if key in kw})
+    why = g.supports(problem(**shape, **kw))
+    assert isinstance(why, str) and needle in why
+
+
+# --- heuristic -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("facts", [H200, H100_PCIE], ids=["h200", "h100pcie"])
+@pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD)
+def test_config_properties(m, n, k, facts):
+    cfg = g.select_config(problem(m, n, k), facts)
+    # Fits shared memory, with the stages the layout needs.
+    assert cfg.smem == g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k)
+    assert cfg.smem <= facts.smem_per_block and g.MIN_STAGES <= cfg.num_stages <= g.MAX_STAGES
+    # One more stage would not fit (stages are as deep as memory allows), unless at the cap.
+    assert (cfg.num_stages == g.MAX_STAGES
+            or g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages + 1, k) > facts.smem_per_block)
+    # Tile shape the kernel accepts: wgmma N step 8, at most two B scale blocks per tile.
+    assert cfg.block_n % 8 == 0 and cfg.block_n in g.BLOCK_N_CHOICES and cfg.block_m in (64, 128)
+    low_bit = cfg.block_n & -cfg.block_n
+    assert cfg.block_n <= 128 + min(low_bit, 128)
+    assert cfg.num_threads == cfg.block_m // 64 * 128 + 128
+    # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
+    if cfg.num_multicast == 2:
+        shared = ceil_div(n, cfg.block_n) if cfg.multicast_on_a else ceil_div(m, cfg.block_m)
+        assert shared % 2 == 0 and tiles % 2 == 0 and cfg.grid % 2 == 0
+        assert cfg.band_size % 2 == 0
+    else:
+        assert cfg.num_multicast == 1
+
+
+@pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD)
+def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
+    """The documented objective: least modelled time (waves x per-tile cost); among equals fewer
+    tiles, two math warpgroups, then the fullest last wave."""
+    cfg = g.select_config(problem(m, n, k), H200)
+    cands = g.candidate_configs(m, n, k, H200)
+    chosen = next(c for c in cands if (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n))
+    assert chosen.waves == ceil_div(chosen.tiles, H200.num_sms)
+    for c in cands:
+        assert (c.cost, c.tiles) >= (chosen.cost, chosen.tiles), (c, chosen)
+        if (c.cost, c.tiles, c.block_m) == (chosen.cost, chosen.tiles, chosen.block_m):
+            assert c.last_wave <= chosen.last_wave, (c, chosen)
+    # Waves are minimal for what a tile costs: any candidate with fewer waves has dearer tiles.
+    per_tile = chosen.cost / chosen.waves
+    assert all(c.cost / c.waves > per_tile for c in cands if c.waves < chosen.waves)
+
+
+def test_cost_model_matches_h200_measurements():
+    """Choices the H200 sweep (scripts/cuda_sweep.py, 2026-11-30) measured best or within 5 %."""
+    expect = {(4096, 7168, 16384): (128, 128), (4096, 4096, 7168): (128, 128),
+              (4096, 7168, 2048): (128, 128), (64, 2112, 7168): (64, 16),
+              (128, 4096, 7168): (128, 32), (128, 24576, 1536): (128, 96)}
+    for (m, n, k), tile in expect.items():
+        cfg = g.select_config(problem(m, n, k), H200)
+        assert (cfg.block_m, cfg.block_n) == tile, ((m, n, k), cfg)
+    # One math warpgroup is the slower tile at equal loads.
+    assert g.tile_cost(64, 128) > g.tile_cost(128, 64)
+
+
+def test_small_m_uses_every_sm():
+    """M <= 128 leaves few tiles: the choice spreads them over (nearly) all SMs."""
+    for m, n, k in [(64, 2112, 7168), (128, 2112, 7168), (64, 7168, 16384)]:
+        cfg = g.select_config(problem(m, n, k), H200)
+        tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+        assert tiles >= 0.9 * H200.num_sms, (m, n, k, cfg)
+
+
+def test_config_is_pure_and_cached():
+    p = problem(4096, 7168, 2048)
+    assert g.select_config(p, H200) is g.select_config(p, H200)
+    assert g.select_config(p, H200) == g._select.__wrapped__(4096, 7168, 2048, H200)
+    hash(g.select_config(p, H200)) and str(g.select_config(p, H200))
+
+
+def test_fewer_sms_changes_the_grid():
+    few = g.DeviceFacts(num_sms=100, smem_per_block=232448, l2_bytes=H200.l2_bytes)
+    cfg = g.select_config(problem(4096, 7168, 2048), few)
+    assert cfg.grid <= 100
+
+
+# --- compile every suite kernel ------------------------------------------------------------------------
+def _compiler_or_skip():
+    from fp8gemm.jit import CompilerUnavailable, get_compiler
+
+    try:
+        return get_compiler()
+    except CompilerUnavailable as e:
+        pytest.skip(f"no CUDA compiler (NVRTC or nvcc): {e}")
+
+
+def _suite_configs():
+    seen = {}
+    for m, n, k in DSV3 + AWKWARD:
+        cfg = g.select_config(problem(m, n, k), H200)
+        seen.setdefault((n, k, cfg), (m, n, k))
+    return seen
+
+
+@pytest.fixture(scope="module")
+def compiled_suite(tmp_path_factory):
+    import os
+
+    _compiler_or_skip()
+    old = os.environ.get("FP8GEMM_CACHE_DIR")
+    os.environ["FP8GEMM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cubins"))
+    try:
+        out = {}
+        for (n, k, cfg), shape in _suite_configs().items():
+            _, compiled, path, _ = g.compile_kernel(n, k, cfg)
+            out[shape] = (cfg, compiled)
+        yield out
+    finally:
+        if old is None:
+            os.environ.pop("FP8GEMM_CACHE_DIR", None)
+        else:
+            os.environ["FP8GEMM_CACHE_DIR"] = old
+
+
+def test_suite_kernels_have_no_spills(compiled_suite, tmp_path):
+    """ptxas -v says 0 bytes of stack and spills. Where a compiler build leaves its ptxas report
+    out of the log, cuobjdump -res-usage must show STACK:0 and LOCAL:0 instead."""
+    for shape, (cfg, compiled) in compiled_suite.items():
+        log = compiled.log
+        stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        if stack and spills:
+            assert max(stack) == 0 and max(spills) == 0, f"{shape} {cfg}: spills or stack\n{log}"
+            continue
+        path = tmp_path / "k.cubin"
+        path.write_bytes(compiled.cubin)
+        res = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True,
+                             text=True).stdout
+        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
+        assert len(found) >= 2 and max(map(int, found)) == 0, f"{shape} {cfg}: {res}"
+
+
+def _cuobjdump():
+    from fp8gemm.jit import cuobjdump_path
+
+    tool = cuobjdump_path()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's wheel)")
+    return tool
+
+
+def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
+    tool = _cuobjdump()
+    for shape, (cfg, compiled) in compiled_suite.items():
+        path = tmp_path / "k.cubin"
+        path.write_bytes(compiled.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), \
+            f"{shape} {cfg}: no QGMMA.64x{cfg.block_n}x32 in SASS"
+        assert not re.search(r"\b(LDL|STL)\b", sass), f"{shape} {cfg}: local memory in SASS"
+        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
+        local = re.findall(r"LOCAL:(\d+)", res)
+        assert local and max(map(int, local)) == 0, res
+
+
+def test_generated_wgmma_header_is_current():
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cuda_gen_wgmma.py"
+    rc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
