@@ -8,7 +8,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["settings"]
+__all__ = ["settings", "hot_env"]
+
+# NOTE: os.environ.get costs ~0.7 us (it encodes the key on every call). The per-call fast path
+# of the ops reads the dict os.environ keeps in step with every change made through it.
+_RAW_ENV = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def hot_env() -> tuple:
+    """The raw values of the variables that change what a call does (backend, value checks):
+    cheap enough for every call, and part of the ops' per-call cache key."""
+    if _RAW_ENV is None:
+        return (os.environ.get("FP8GEMM_BACKEND"), os.environ.get("FP8GEMM_CHECK_VALUES"))
+    return (_RAW_ENV.get(b"FP8GEMM_BACKEND"), _RAW_ENV.get(b"FP8GEMM_CHECK_VALUES"))
 
 
 def _flag(name: str) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._settings import settings
+from .._settings import hot_env, settings
 from ..backends import select_backend
 from ..problem import GemmKind, GemmProblem
 from ._common import (check_device, check_fp8, check_out_dtype, contiguous_operand, prepare_out,
@@ -26,12 +26,15 @@ def _meta(t: torch.Tensor) -> tuple:
 def _plan_key(a, b, out, c, out_dtype, backend) -> tuple | None:
     try:
         (a_t, a_s), (b_t, b_s) = a, b
-        if not a_t.is_cuda or settings.check_values:
+        if not a_t.is_cuda:
+            return None
+        env = hot_env()
+        if env[1] is not None and settings.check_values:
             return None
         return (_meta(a_t), _meta(a_s), _meta(b_t), _meta(b_s),
                 None if out is None else _meta(out),
                 None if c is None else (_meta(c), c is out),
-                out_dtype, backend, settings.backend)
+                out_dtype, backend, env)
     except (TypeError, ValueError, AttributeError):
         return None  # not a pair of tensors: the full path raises the right error
 
