@@ -12,12 +12,12 @@ import json
 import os
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 import torch
 
 from ..._settings import settings
-from ...problem import GemmKind, GemmProblem, Recipe, ceil_div
+from ...problem import GemmKind, GemmProblem, ceil_div
 
 __all__ = ["DeviceFacts", "GemmConfig", "device_facts", "candidate_configs", "choose_config",
            "load_tuned", "store_tuned"]
@@ -56,11 +56,13 @@ class GemmConfig:
     num_warps: int
     use_tma: bool  # tensor descriptors for the A and B loads (sm_90+, 16-byte aligned rows)
     num_programs: int  # persistent grid size cap (programs loop over tiles)
+    flatten: bool = False  # dense: one software pipeline across tiles (tl.range(flatten=True))
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} SPLIT_K={self.split_k} stages={self.num_stages} "
-                f"warps={self.num_warps} tma={int(self.use_tma)} programs={self.num_programs}")
+                f"warps={self.num_warps} tma={int(self.use_tma)} programs={self.num_programs}"
+                f"{' flat' if self.flatten else ''}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,9 +70,11 @@ class GemmConfig:
     @staticmethod
     def from_json(d: dict) -> "GemmConfig":
         names = {f.name for f in fields(GemmConfig)}
-        if set(d) != names:
+        required = {f.name for f in fields(GemmConfig) if f.default is MISSING}
+        if not required <= set(d) <= names:
             raise ValueError(f"config fields must be {sorted(names)}, got {sorted(d)}")
-        return GemmConfig(**{k: (bool(v) if k == "use_tma" else int(v)) for k, v in d.items()})
+        return GemmConfig(**{k: (bool(v) if k in ("use_tma", "flatten") else int(v))
+                            for k, v in d.items()})
 
 
 _INTERPRETER_FACTS = DeviceFacts("triton-interpreter", (9, 0), 4, 227 * 1024, 32 << 20, True)
@@ -80,7 +84,13 @@ def device_facts(device: torch.device) -> DeviceFacts:
     """Facts of a CUDA device read from the driver; fixed small facts for the CPU interpreter."""
     if device.type != "cuda":
         return _INTERPRETER_FACTS
-    return _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
+    facts = _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
+    from ...layout import _SmCount  # set_num_sms(n): persistent kernels use at most n SMs
+
+    cap = _SmCount.override
+    if cap is not None and cap < facts.num_sms:
+        facts = replace(facts, num_sms=cap)
+    return facts
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,10 +99,6 @@ def _cuda_facts(index: int) -> DeviceFacts:
     smem = getattr(p, "shared_memory_per_block_optin", 0) or 99 * 1024
     return DeviceFacts(p.name, (p.major, p.minor), p.multi_processor_count, int(smem),
                        int(getattr(p, "L2_cache_size", 0) or 0))
-
-
-def _is_fine(problem: GemmProblem) -> bool:
-    return problem.a_recipe is Recipe.GROUP or problem.b_recipe in (Recipe.BLOCK, Recipe.GROUP)
 
 
 def _rows_per_group(problem: GemmProblem) -> int:
@@ -110,97 +116,145 @@ def _stages(block_m: int, block_n: int, block_k: int, facts: DeviceFacts, cap: i
     return max(2, min(cap, (facts.smem_per_block - 32 * 1024) // per_stage))
 
 
-def _estimate_us(problem: GemmProblem, facts: DeviceFacts, bm: int, bn: int, split: int) -> float:
-    """A rough time model used only to rank tile shapes and splits: waves of tiles, each tile as
-    slow as the slower of its tensor-core work and its share of memory bandwidth, plus the split-K
-    workspace round trip and a second launch."""
-    m, n, k = problem.m, problem.n, problem.k
-    tiles = ceil_div(m, bm) * ceil_div(n, bn) * split
-    active = min(tiles, facts.num_sms)
-    waves = ceil_div(tiles, facts.num_sms)
-    k_per_tile = ceil_div(ceil_div(k, SCALE_BLOCK), split) * SCALE_BLOCK
-    # per SM: ~6 dense FP8 TFLOP/s with promotion; bandwidth shared by the active SMs, at most
-    # ~60 GB/s for one SM.
-    flop_us = 2.0 * bm * bn * k_per_tile / 6.0e12 * 1e6
-    bw_per_sm = min(3.6e12 / active, 60e9)
-    byte_us = (bm + bn) * k_per_tile / bw_per_sm * 1e6
-    t = waves * (max(flop_us, byte_us) + 0.6)  # 0.6 us: prologue/epilogue of one tile
+@dataclass(frozen=True)
+class _Tile:
+    """A tile shape the kernel runs well, with the rate one program streams operands at when
+    memory bound (measured on an H200: one warpgroup ~30 GB/s, two ~45 GB/s)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    max_stages: int
+    stream_bw: float
+
+
+# small M (memory bound): one warpgroup 64xN, two warpgroups side by side along N or M
+_SMALL_TILES = (_Tile(64, 64, 4, 6, 30e9), _Tile(64, 128, 4, 5, 30e9), _Tile(64, 256, 8, 4, 45e9),
+                _Tile(128, 128, 8, 4, 33e9))
+# large M (tensor-core bound), measured on an H200 over the DeepSeek-V3 shapes: 128x128 with two
+# warpgroups where N and K are large; 128x64 with one warpgroup and two programs per SM (one
+# program's scale promotion overlaps the other's MMA) for N <= 2304 or K <= 2048.
+_LARGE_TILE = _Tile(128, 128, 8, 5, 35e9)
+_LARGE_TILE_NARROW = _Tile(128, 64, 4, 4, 30e9)
+_TOTAL_BW = 3.4e12  # achievable HBM bandwidth with every SM streaming (H200: copy ~3.6-4.2 TB/s)
+_SPLIT_COST_US = 4.0  # second launch (the fixed-order reduction) and its tail
+
+
+def _programs_per_sm(tile: _Tile, stages: int, facts: DeviceFacts) -> int:
+    """2 when two programs fit one SM (registers of one warpgroup, shared memory for both)."""
+    if tile.num_warps != 4:
+        return 1
+    # NOTE: the epilogue's layout conversion reuses the pipeline buffers (measured: 98.8 KB for
+    # 128x64 with 4 stages), so two programs need 2 x (stages x stage bytes + ~2 KB).
+    smem = stages * (tile.block_m + tile.block_n) * SCALE_BLOCK + 2048
+    return 2 if 2 * smem <= facts.smem_per_block + 1024 else 1
+
+
+def _estimate_us(problem: GemmProblem, facts: DeviceFacts, tile: _Tile, split: int,
+                 m_tiles: int, rows: int, groups: int) -> float:
+    """Modelled time of a memory-bound launch, only to rank small-M tiles and splits: the slower
+    of (waves of programs, each streaming its A and B tiles at its own rate) and (every operand
+    byte read once from HBM; re-reads of a B tile by the m tiles sharing it hit L2), plus the
+    split-K workspace round trip and the reduction launch."""
+    n, k = problem.n, problem.k
+    ctas = m_tiles * ceil_div(n, tile.block_n) * split
+    waves = ceil_div(ctas, facts.num_sms)
+    k_per_cta = ceil_div(ceil_div(k, SCALE_BLOCK), split) * SCALE_BLOCK
+    stream = waves * (tile.block_m + tile.block_n) * k_per_cta / tile.stream_bw
+    unique = groups * (rows + n) * k / _TOTAL_BW
+    t = max(stream, unique) * 1e6
     if split > 1:
-        t += 2.0 * split * m * n * 4 / 3.0e12 * 1e6 + 2.5
+        t += _SPLIT_COST_US + 2.0 * split * problem.m * n * 4 / _TOTAL_BW * 1e6
     return t
+
+
+def _valid_split(k_blocks: int, split: int) -> bool:
+    # NOTE: the heuristic splits K evenly (at least 2 K tiles each): a short last split runs
+    # zero-filled K steps (measured ~1.5x slower on an H200 for 4 such steps).
+    return split == 1 or (k_blocks % split == 0 and k_blocks // split >= 2)
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
-    """The heuristic config. Optimises, for the tile shapes the kernel runs well (128x128 with
-    two warpgroups, 64xN with one), the modelled time: full waves over the SMs, split-K only when
-    the output tiles alone leave most SMs idle (small M), and the deepest pipeline that fits."""
+    """The heuristic config. Small M (memory bound): the tile and split-K that minimise the
+    modelled streaming time (fill the SMs in one wave, the fewest splits that do). Large M
+    (tensor-core bound): 128x128 tiles, or 128x64 with two programs per SM for narrow N / short
+    K. Dense GEMMs with few K tiles (<= 16 at small M, <= 4 at large M) run the tile and K loops
+    as one flattened pipeline (the next tile's loads overlap this tile's epilogue). Pipelines
+    as deep as shared memory allows."""
     rows = _rows_per_group(problem)
-    bk = SCALE_BLOCK
+    k_blocks = ceil_div(problem.k, SCALE_BLOCK)
     use_tma = facts.has_tma and not facts.interpreter and problem.k % 16 == 0
-    if rows <= 64:
-        bm, warps = 64, 4
-    else:
-        bm, warps = 128, 8
-    bn = 128
+    dense = problem.kind is GemmKind.DENSE
     split = 1
-    if problem.kind is GemmKind.DENSE:
-        k_blocks = ceil_div(problem.k, bk)
+    if rows > 128:
+        narrow = problem.n <= 2304 or problem.k <= 2048
+        tile = _LARGE_TILE_NARROW if narrow else _LARGE_TILE
+    else:
         best = None
-        for cand_bn in (64, 128):
-            for cand_split in range(1, min(16, k_blocks) + 1):
-                if cand_split > 1 and ceil_div(k_blocks, cand_split) < 2:
-                    break
-                # no empty K ranges
-                if cand_split > 1 and ceil_div(k_blocks, ceil_div(k_blocks, cand_split)) != cand_split:
+        for tile_c in _SMALL_TILES:
+            if tile_c.block_m > 64 and rows <= 64:
+                continue
+            m_tiles = ceil_div(rows, tile_c.block_m) * (1 if dense else problem.groups)
+            for split_c in (range(1, 17) if dense else (1,)):
+                if not _valid_split(k_blocks, split_c):
                     continue
-                t = _estimate_us(problem, facts, bm, cand_bn, cand_split)
+                ctas = m_tiles * ceil_div(problem.n, tile_c.block_n) * split_c
+                if split_c > 1 and ctas > facts.num_sms:
+                    break
+                t = _estimate_us(problem, facts, tile_c, split_c, m_tiles, rows,
+                                 1 if dense else problem.groups)
                 if best is None or t < best[0] * 0.97:
-                    best = (t, cand_bn, cand_split)
-        _, bn, split = best
-    stages = _stages(bm, bn, bk, facts, cap=6 if bm == 64 else 4)
-    group_m = 8
+                    best = (t, tile_c, split_c)
+        _, tile, split = best
+    flatten = dense and k_blocks <= (16 if rows <= 128 else 4)
+    return _make_config(problem, facts, tile, split, flatten, use_tma)
+
+
+def _make_config(problem: GemmProblem, facts: DeviceFacts, tile: _Tile, split: int, flatten: bool,
+                 use_tma: bool, stages: int | None = None) -> GemmConfig:
+    """The config of one tile choice: pipeline depth, programs per SM and the persistent grid."""
+    bm, bn = tile.block_m, tile.block_n
+    if stages is None:
+        stages = _stages(bm, bn, SCALE_BLOCK, facts, cap=tile.max_stages)
+    per_sm = _programs_per_sm(tile, stages, facts)
     if problem.kind is GemmKind.DENSE:
         tiles = ceil_div(problem.m, bm) * ceil_div(problem.n, bn) * split
-    else:
-        # offsets and masked: at most one partly filled m tile per group
-        m_tiles = ceil_div(problem.m, bm) + (problem.groups if problem.kind is GemmKind.OFFSETS else 0)
-        if problem.kind is GemmKind.MASKED:
-            m_tiles = problem.groups * ceil_div(problem.m, bm)
-        tiles = m_tiles * ceil_div(problem.n, bn)
-    programs = max(1, min(tiles, facts.num_sms))
-    return GemmConfig(bm, bn, bk, group_m, split, stages, warps, use_tma, programs)
+    elif problem.kind is GemmKind.MASKED:
+        tiles = problem.groups * ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
+    else:  # offsets: at most one partly filled m tile per group
+        extra = problem.groups if problem.kind is GemmKind.OFFSETS else 0
+        tiles = (ceil_div(problem.m, bm) + extra) * ceil_div(problem.n, bn)
+    programs = max(1, min(tiles, per_sm * facts.num_sms))
+    return GemmConfig(bm, bn, SCALE_BLOCK, 8, split, stages, tile.num_warps, use_tma, programs,
+                      flatten and problem.kind is GemmKind.DENSE)
 
 
 def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GemmConfig]:
-    """Configs the autotuner times: the heuristic's choice first, then tile, split and depth
-    variations around it."""
+    """Configs the autotuner times: the heuristic's choice first, then the other tiles, even
+    K splits (dense), the flattened pipeline on and off, one stage fewer, and pointer loads."""
     base = choose_config(problem, facts)
     out = [base]
 
-    def add(**kw):
-        cfg = GemmConfig(**{**asdict(base), **kw})
+    def add(cfg: GemmConfig) -> None:
         if cfg not in out:
             out.append(cfg)
 
-    for bm, warps in ((64, 4), (128, 8)):
-        for bn in (64, 128):
-            if bm == base.block_m and bn == base.block_n:
-                continue
-            add(block_m=bm, block_n=bn, num_warps=warps,
-                num_stages=_stages(bm, bn, base.block_k, facts, cap=6 if bm == 64 else 4))
-    if problem.kind is GemmKind.DENSE:
-        k_blocks = ceil_div(problem.k, base.block_k)
-        for split in (1, 2, 4, 8):
-            if split != base.split_k and ceil_div(k_blocks, split) >= 2:
-                add(split_k=split)
-    for stages in (3, base.num_stages + 1):
-        if stages != base.num_stages and stages >= 2:
-            cap = _stages(base.block_m, base.block_n, base.block_k, facts, cap=8)
-            if stages <= cap:
-                add(num_stages=stages)
+    dense = problem.kind is GemmKind.DENSE
+    k_blocks = ceil_div(problem.k, SCALE_BLOCK)
+    splits = [s for s in (1, 2, 3, 4, 6, 7, 8) if _valid_split(k_blocks, s)] if dense else [1]
+    for tile in _SMALL_TILES + (_LARGE_TILE, _LARGE_TILE_NARROW):
+        for split in splits:
+            ctas = ceil_div(problem.m, tile.block_m) * ceil_div(problem.n, tile.block_n) * split
+            if split > 1 and not facts.num_sms // 2 <= ctas <= 2 * facts.num_sms:
+                continue  # splits only to fill the SMs about once
+            add(_make_config(problem, facts, tile, split, base.flatten, base.use_tma))
+    if dense:
+        add(replace(base, flatten=not base.flatten))
+    if base.num_stages > 2:
+        add(replace(base, num_stages=base.num_stages - 1))
     if base.use_tma:
-        add(use_tma=False)
+        add(replace(base, use_tma=False))
     return out
 
 

@@ -1,0 +1,215 @@
+"""FP8 quantisation kernels in Triton: per token (1x128), per block (128x128), and SiLU*mul fused
+with per-token quantisation (the middle of an MoE expert).
+
+Same arithmetic as the PyTorch versions in fp8gemm.quant:
+    amax  = max(|x| over the group, 1e-4)
+    scale = amax / fmt_max                    (pow2_scale: 2 ** ceil(log2(amax / fmt_max)))
+    q     = clamp(x / scale, -fmt_max, fmt_max) cast to FP8 (round to nearest even)
+Scales are FP32 dequantisation multipliers (x ~= q * scale). Per-token scales are written
+directly in the column-major, TMA-aligned layout the GEMMs read: shape [M, ceil(K/128)], strides
+(1, align(M, 4)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...problem import align, ceil_div
+
+__all__ = ["quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token"]
+
+GROUP = 128  # elements of K per scale
+AMAX_FLOOR = tl.constexpr(1e-4)
+_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _scale_of(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    ratio = amax / FMT_MAX
+    if POW2:
+        # NOTE: log2 is approximate; correct the exponent so that scale >= ratio (no clipping).
+        scale = tl.exp2(tl.ceil(tl.log2(ratio)))
+        scale = tl.where(scale < ratio, scale * 2.0, scale)
+        scale = tl.where(scale * 0.5 >= ratio, scale * 0.5, scale)
+    else:
+        scale = ratio
+    return scale
+
+
+@triton.jit
+def _round_to_fp8_grid(v, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round |v| <= fmt_max to the nearest FP8 value (ties to even), in FP32 arithmetic.
+    NOTE: used under the interpreter only, whose float->fp8 cast mis-rounds (127.4 -> 64 in e4m3);
+    on a GPU the hardware cast does this rounding."""
+    e = tl.maximum(tl.floor(tl.log2(tl.abs(v))), MIN_EXP)
+    step = tl.exp2(e - MANT_BITS)
+    magic = 12582912.0  # 1.5 * 2^23: adding it rounds an FP32 below 2^22 to an integer, ties even
+    return ((v / step + magic) - magic) * step
+
+
+@triton.jit
+def _to_fp8(q, dtype, SOFT_ROUND: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    if SOFT_ROUND:
+        q = _round_to_fp8_grid(q, MANT_BITS, MIN_EXP)
+    return q.to(dtype)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, I,
+                       stride_xb, stride_xm, stride_xk, stride_qb, stride_qm,
+                       stride_sb, stride_sm, stride_sk,
+                       SILU_MUL: tl.constexpr, FMT_MAX: tl.constexpr, POW2: tl.constexpr,
+                       SOFT_ROUND: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr):
+    """One [BLOCK_M, GROUP_K] tile: a per-row amax, a scale per row, the FP8 values.
+    SILU_MUL: the tile's values are silu(x[:, k]) * x[:, I + k] (K == I)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    x_ptr += batch * stride_xb
+    q_ptr += batch * stride_qb
+    s_ptr += batch * stride_sb
+    offs_k = kb * GROUP_K + tl.arange(0, GROUP_K)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = tl.load(ptrs + I * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    scale = _scale_of(tl.max(tl.abs(x), axis=1), FMT_MAX, POW2)
+    q = tl.clamp(x / scale[:, None], -FMT_MAX, FMT_MAX)
+    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :],
+             _to_fp8(q, q_ptr.dtype.element_ty, SOFT_ROUND, MANT_BITS, MIN_EXP), mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M)
+
+
+@triton.jit
+def _quant_block_kernel(x_ptr, q_ptr, s_ptr, N, K, stride_xb, stride_xn, stride_xk, stride_qb,
+                        stride_qn, stride_sb, stride_sn, stride_sk,
+                        FMT_MAX: tl.constexpr, POW2: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                        MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
+    """One [BLOCK, BLOCK] block: one amax, one scale, the FP8 values."""
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    x_ptr += batch * stride_xb
+    q_ptr += batch * stride_qb
+    s_ptr += batch * stride_sb
+    offs_n = nb * BLOCK + tl.arange(0, BLOCK)
+    offs_k = kb * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_n[:, None].to(tl.int64) * stride_xn + offs_k[None, :] * stride_xk,
+                mask=mask, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FMT_MAX, POW2)
+    q = tl.clamp(x / scale, -FMT_MAX, FMT_MAX)
+    tl.store(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_k[None, :],
+             _to_fp8(q, q_ptr.dtype.element_ty, SOFT_ROUND, MANT_BITS, MIN_EXP), mask=mask)
+    tl.store(s_ptr + nb * stride_sn + kb * stride_sk, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers
+
+
+def _fmt(fmt: str) -> torch.dtype:
+    if fmt not in _FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
+    return _FORMATS[fmt]
+
+
+def _fmt_meta(dtype: torch.dtype) -> dict:
+    """Constexprs of the FP8 format: its max, and for the interpreter's software rounding the
+    mantissa bits and the smallest normal exponent."""
+    mant, min_exp = (3, -6) if dtype is torch.float8_e4m3fn else (2, -14)
+    return dict(FMT_MAX=torch.finfo(dtype).max, SOFT_ROUND=os.environ.get("TRITON_INTERPRET") == "1",
+                MANT_BITS=mant, MIN_EXP=min_exp)
+
+
+def _check_input(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must be [..., rows, K] (at least 2-D), got shape {list(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name} must be bf16, fp16 or fp32, got {x.dtype}")
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """[..., R, C] -> [B, R, C] (a view when the leading dims allow it)."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def _token_scales(lead, m: int, kb: int, col_major: bool, device) -> torch.Tensor:
+    if col_major:
+        # NOTE: [..., M, kb] with the M stride 1 and each K block's column padded to 16 bytes:
+        # the layout a TMA load of A scales needs (as fp8gemm.layout.get_col_major_tma_aligned_tensor).
+        buf = torch.empty((*lead, kb, align(m, 4)), dtype=torch.float32, device=device)
+        return buf[..., :m].transpose(-1, -2)
+    return torch.empty((*lead, m, kb), dtype=torch.float32, device=device)
+
+
+def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
+    dtype = _fmt(fmt)
+    lead, m = tuple(x.shape[:-2]), x.shape[-2]
+    kb = ceil_div(k, GROUP)
+    q = torch.empty((*lead, m, k), dtype=dtype, device=x.device)
+    s = _token_scales(lead, m, kb, col_major_scales, x.device)
+    if q.numel() == 0:
+        return q, s
+    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
+    block_m = 32
+    _quant_rows_kernel[(ceil_div(m, block_m), kb, x3.shape[0])](
+        x3, q3, s3, m, k, silu_i, x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0),
+        q3.stride(1), s3.stride(0), s3.stride(1), s3.stride(2),
+        SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **_fmt_meta(dtype),
+        BLOCK_M=block_m, GROUP_K=GROUP, num_warps=4)
+    return q, s
+
+
+def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
+                       col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., M, K] bf16/fp16/fp32 (any strides) -> (q [..., M, K] fp8 row-major, scales
+    [..., M, ceil(K/128)] fp32, one per row and 128 of K; column-major TMA-aligned unless
+    col_major_scales=False)."""
+    _check_input("x", x)
+    return _rows_launch(x, x.shape[-1], 0, fmt, pow2_scales, col_major_scales)
+
+
+def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
+                                col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., T, 2I] (gate | up) -> quantize_per_token(silu(x[..., :I]) * x[..., I:]) computed in
+    FP32: (q [..., T, I] fp8, scales [..., T, ceil(I/128)] fp32)."""
+    _check_input("x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., T, 2I] (gate then up), got an odd last dim {x.shape[-1]}")
+    i = x.shape[-1] // 2
+    return _rows_launch(x, i, i, fmt, pow2_scales, col_major_scales)
+
+
+def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
+                       pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] bf16/fp16/fp32 (any strides) -> (q [..., N, K] fp8 row-major, scales
+    [..., ceil(N/128), ceil(K/128)] fp32 row-major, one per 128x128 block)."""
+    _check_input("w", w)
+    dtype = _fmt(fmt)
+    lead, (n, k) = tuple(w.shape[:-2]), w.shape[-2:]
+    q = torch.empty((*lead, n, k), dtype=dtype, device=w.device)
+    s = torch.empty((*lead, ceil_div(n, GROUP), ceil_div(k, GROUP)), dtype=torch.float32,
+                    device=w.device)
+    if q.numel() == 0:
+        return q, s
+    w3, q3, s3 = _as_3d(w), _as_3d(q), _as_3d(s)
+    _quant_block_kernel[(s3.shape[1], s3.shape[2], w3.shape[0])](
+        w3, q3, s3, n, k, w3.stride(0), w3.stride(1), w3.stride(2), q3.stride(0), q3.stride(1),
+        s3.stride(0), s3.stride(1), s3.stride(2),
+        POW2=bool(pow2_scales), BLOCK=GROUP, num_warps=8, **_fmt_meta(dtype))
+    return q, s

@@ -1,0 +1,467 @@
+"""Every Triton kernel of the Triton backend under TRITON_INTERPRET=1 on the CPU.
+
+Triton decides at import whether it interprets, so these tests run in a process that had
+TRITON_INTERPRET=1 before Triton was first imported. Run directly as
+`TRITON_INTERPRET=1 pytest tests/test_triton_interp.py`; in any other pytest session the one test
+`test_interpreter_suite` re-runs this file so, in a subprocess, and the others skip.
+
+Outputs are poisoned with NaN first: every element a kernel owns must be written, every row it
+does not own (padding rows, rows past masked_m, rows in no group) must still be NaN after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    from .test_triton_helpers import (BF16_DIFF, E4M3, E5M2, FP32_DIFF, GemmKind, Recipe,
+                                      a_scales, b_scales, calc_diff, ceil_div, dequant_a, dequant_b,
+                                      make_dense, problem, rand_fp8, ref_grouped_rows)
+except ImportError:
+    from test_triton_helpers import (BF16_DIFF, E4M3, E5M2, FP32_DIFF, GemmKind, Recipe,
+                                     a_scales, b_scales, calc_diff, ceil_div, dequant_a, dequant_b,
+                                     make_dense, problem, rand_fp8, ref_grouped_rows)
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+CPU = torch.device("cpu")
+A_RECIPES = [Recipe.TENSOR, Recipe.ROW, Recipe.GROUP]
+B_RECIPES = [Recipe.TENSOR, Recipe.ROW, Recipe.BLOCK, Recipe.GROUP]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="already interpreting: the tests below run here")
+def test_interpreter_suite():
+    """This file's tests, in a fresh process with the interpreter on."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        str(Path(__file__).resolve())], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=1200, check=False)
+    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tb():
+    """The Triton backend package (interpreted)."""
+    if not INTERPRETING:
+        pytest.skip("needs TRITON_INTERPRET=1 from the start (test_interpreter_suite runs it)")
+    pytest.importorskip("triton")
+    import fp8gemm.backends.triton as mod
+    from fp8gemm.backends.triton import config, fp8_gemm, quant  # noqa: F401
+
+    return mod
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def _check(out, ref, out_dtype):
+    assert not out.isnan().any(), "unwritten (NaN) output elements"
+    diff = calc_diff(out, ref)
+    assert diff < (BF16_DIFF if out_dtype is torch.bfloat16 else FP32_DIFF), diff
+
+
+def _launch(tb, prob, cfg, a, sa, b, sb, out, c=None, idx=None):
+    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, out, c, idx)
+
+
+def _cfg(tb, **kw):
+    base = dict(block_m=64, block_n=64, block_k=128, group_m=8, split_k=1, num_stages=2,
+                num_warps=4, use_tma=False, num_programs=3)
+    base.update(kw)
+    return tb.config.GemmConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# dense
+
+
+@pytest.mark.parametrize("shape", [(37, 200, 320), (1, 40, 130)])
+@pytest.mark.parametrize("rb", B_RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("ra", A_RECIPES, ids=lambda r: r.value)
+def test_dense_recipes(tb, ra, rb, shape):
+    m, n, k = shape
+    a, sa, b, sb, ref = make_dense(m, n, k, ra, rb, CPU, gen=_gen(m * 7 + n))
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, ra, rb, torch.bfloat16)
+    assert tb.supports(prob) is None
+    out = _poisoned((m, n), torch.bfloat16)
+    tb.fp8_gemm_nt(a, sa, b, sb, out, None, prob)
+    _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("da,db", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)],
+                         ids=["e4m3xe4m3", "e4m3xe5m2", "e5m2xe4m3", "e5m2xe5m2"])
+def test_dense_formats(tb, da, db, out_dtype):
+    m, n, k = 70, 130, 384
+    a, sa, b, sb, ref = make_dense(m, n, k, Recipe.GROUP, Recipe.BLOCK, CPU, da, db, gen=_gen(3))
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, Recipe.GROUP, Recipe.BLOCK, out_dtype)
+    out = _poisoned((m, n), out_dtype)
+    tb.fp8_gemm_nt(a, sa, b, sb, out, None, prob)
+    _check(out, ref, out_dtype)
+
+
+# tile shapes (the BLOCK_N = 256 tile spans two 128-blocks of B scales), split-K with an uneven
+# last K range, the tensor-descriptor (TMA) load path, one program looping over every tile.
+CONFIGS = [dict(), dict(block_n=128), dict(block_n=256, block_m=128, num_warps=8),
+           dict(split_k=3), dict(split_k=2, block_n=128), dict(use_tma=True),
+           dict(use_tma=True, split_k=3, block_m=128), dict(num_programs=1, group_m=2),
+           dict(flatten=True, split_k=3, use_tma=True), dict(flatten=True, num_programs=2)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()) or "base")
+@pytest.mark.parametrize("ra,rb", [(Recipe.GROUP, Recipe.BLOCK), (Recipe.ROW, Recipe.ROW),
+                                   (Recipe.GROUP, Recipe.GROUP)], ids=["1x128/128x128", "row/row", "1x128/1x128"])
+def test_dense_configs(tb, ra, rb, cfg):
+    m, n, k = 75, 200, 640  # K = 5 blocks: split 3 gives ranges 2, 2, 1
+    a, sa, b, sb, ref = make_dense(m, n, k, ra, rb, CPU, gen=_gen(11))
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, ra, rb, torch.bfloat16)
+    out = _poisoned((m, n), torch.bfloat16)
+    _launch(tb, prob, _cfg(tb, **cfg), a, sa, b, sb, out)
+    _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("alias", [False, True], ids=["c", "c-is-out"])
+def test_dense_with_c(tb, alias, split):
+    m, n, k = 45, 96, 384
+    a, sa, b, sb, ref = make_dense(m, n, k, Recipe.GROUP, Recipe.BLOCK, CPU, gen=_gen(5))
+    c = torch.randn(m, n, generator=_gen(6)) * 50
+    ref = ref + c.double()
+    out = c if alias else _poisoned((m, n), torch.float32)
+    c_in = out if alias else c
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, Recipe.GROUP, Recipe.BLOCK, torch.float32,
+                   has_c=True)
+    _launch(tb, prob, _cfg(tb, split_k=split), a, sa, b, sb, out, c_in)
+    _check(out, ref, torch.float32)
+
+
+def test_dense_column_major_a_scales(tb):
+    m, n, k = 50, 72, 300
+    a, sa, b, sb, ref = make_dense(m, n, k, Recipe.GROUP, Recipe.BLOCK, CPU, col_major=True,
+                                   gen=_gen(8))
+    assert sa.stride() == (1, 52)
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    out = _poisoned((m, n), torch.bfloat16)
+    tb.fp8_gemm_nt(a, sa, b, sb, out, None, prob)
+    _check(out, ref, torch.bfloat16)
+
+
+def test_long_k_error_does_not_grow(tb):
+    """FP32 accumulation with promotion: the error at K = 4096 stays at FP32 rounding."""
+    m, n, k = 16, 32, 4096
+    a, sa, b, sb, ref = make_dense(m, n, k, Recipe.GROUP, Recipe.BLOCK, CPU, gen=_gen(9))
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, Recipe.GROUP, Recipe.BLOCK, torch.float32)
+    out = _poisoned((m, n), torch.float32)
+    tb.fp8_gemm_nt(a, sa, b, sb, out, None, prob)
+    _check(out, ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped
+
+G, N_G, K_G = 3, 72, 200
+
+
+def _grouped_operands(m, ra, rb, seed, lead=None, da=E4M3, db=E4M3):
+    gen = _gen(seed)
+    shape_a = (lead, m, K_G) if lead else (m, K_G)
+    a = rand_fp8(shape_a, da, CPU, gen)
+    b = rand_fp8((G, N_G, K_G), db, CPU, gen)
+    sa = a_scales(ra, m, K_G, CPU, lead=lead, gen=gen)
+    sb = b_scales(rb, N_G, K_G, CPU, groups=G, gen=gen)
+    return a, sa, b, sb
+
+
+@pytest.mark.parametrize("rb", B_RECIPES, ids=lambda r: r.value)
+@pytest.mark.parametrize("ra", A_RECIPES, ids=lambda r: r.value)
+def test_contiguous(tb, ra, rb):
+    # groups not aligned to BLOCK_M, padding rows (-1) and values outside [-1, G) (= padding)
+    idx = torch.tensor([0] * 20 + [-1] * 5 + [2] * 50 + [1] * 30 + [7, -5] + [2] * 23 + [-1] * 10,
+                       dtype=torch.int32)
+    m = idx.numel()
+    a, sa, b, sb = _grouped_operands(m, ra, rb, seed=21)
+    ref = ref_grouped_rows(a, sa, ra, b, sb, rb, idx)
+    prob = problem(GemmKind.CONTIGUOUS, m, N_G, K_G, G, a, b, ra, rb, torch.bfloat16)
+    assert tb.supports(prob) is None
+    out = _poisoned((m, N_G), torch.bfloat16)
+    tb.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, idx, prob)
+    own = (idx >= 0) & (idx < G)
+    assert out[~own].isnan().all(), "rows of no group were written"
+    _check(out[own], ref[own], torch.bfloat16)
+
+
+def test_contiguous_interleaved_groups(tb):
+    """Rows of every group mixed inside one tile (an unsorted layout) are still right."""
+    idx = torch.tensor([0, 1, 2, -1] * 20, dtype=torch.int32)
+    m = idx.numel()
+    a, sa, b, sb = _grouped_operands(m, Recipe.GROUP, Recipe.BLOCK, seed=22)
+    ref = ref_grouped_rows(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK, idx)
+    prob = problem(GemmKind.CONTIGUOUS, m, N_G, K_G, G, a, b, Recipe.GROUP, Recipe.BLOCK, torch.float32)
+    out = _poisoned((m, N_G), torch.float32)
+    _launch(tb, prob, _cfg(tb, use_tma=True), a, sa, b, sb, out, idx=idx)
+    own = idx >= 0
+    assert out[~own].isnan().all()
+    _check(out[own], ref[own], torch.float32)
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("ra,rb", [(Recipe.GROUP, Recipe.BLOCK), (Recipe.TENSOR, Recipe.TENSOR),
+                                   (Recipe.ROW, Recipe.GROUP), (Recipe.GROUP, Recipe.ROW)],
+                         ids=["1x128/128x128", "tensor/tensor", "row/1x128", "1x128/row"])
+def test_offsets(tb, ra, rb, use_tma):
+    # unaligned boundaries, an empty group, trailing rows in no group
+    offsets = torch.tensor([0, 13, 13, 150], dtype=torch.int32)
+    m = 160
+    a, sa, b, sb = _grouped_operands(m, ra, rb, seed=31)
+    groups = torch.full((m,), -1, dtype=torch.int32)
+    for g in range(G):
+        groups[offsets[g]:offsets[g + 1]] = g
+    ref = ref_grouped_rows(a, sa, ra, b, sb, rb, groups)
+    prob = problem(GemmKind.OFFSETS, m, N_G, K_G, G, a, b, ra, rb, torch.bfloat16)
+    out = _poisoned((m, N_G), torch.bfloat16)
+    _launch(tb, prob, _cfg(tb, use_tma=use_tma), a, sa, b, sb, out, idx=offsets)
+    own = groups >= 0
+    assert out[~own].isnan().all(), "rows of no group were written"
+    _check(out[own], ref[own], torch.bfloat16)
+    out2 = _poisoned((m, N_G), torch.bfloat16)
+    tb.m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out2, offsets, prob)  # heuristic config
+    assert torch.equal(out2[own], out[own]) and out2[~own].isnan().all()
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("ra,rb", [(Recipe.GROUP, Recipe.BLOCK), (Recipe.ROW, Recipe.ROW),
+                                   (Recipe.TENSOR, Recipe.GROUP), (Recipe.GROUP, Recipe.TENSOR)],
+                         ids=["1x128/128x128", "row/row", "tensor/1x128", "1x128/tensor"])
+def test_masked(tb, ra, rb, use_tma):
+    mmax = 70
+    masked_m = torch.tensor([0, 33, 500], dtype=torch.int32)  # 500 is clamped to Mmax
+    a, sa, b, sb = _grouped_operands(mmax, ra, rb, seed=41, lead=G)
+    prob = problem(GemmKind.MASKED, mmax, N_G, K_G, G, a, b, ra, rb, torch.bfloat16, expected_m=40)
+    out = _poisoned((G, mmax, N_G), torch.bfloat16)
+    _launch(tb, prob, _cfg(tb, use_tma=use_tma), a, sa, b, sb, out, idx=masked_m)
+    ad = dequant_a(a, sa, ra)
+    bd = dequant_b(b, sb, rb, True)
+    for g in range(G):
+        rows = min(int(masked_m[g]), mmax)
+        assert out[g, rows:].isnan().all(), f"group {g}: rows past masked_m were written"
+        if rows:
+            _check(out[g, :rows], ad[g, :rows] @ bd[g].T, torch.bfloat16)
+
+
+def test_grouped_formats(tb):
+    idx = torch.tensor([1] * 40 + [0] * 27 + [2] * 9, dtype=torch.int32)
+    m = idx.numel()
+    for da, db in [(E5M2, E4M3), (E4M3, E5M2)]:
+        a, sa, b, sb = _grouped_operands(m, Recipe.GROUP, Recipe.BLOCK, seed=51, da=da, db=db)
+        ref = ref_grouped_rows(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK, idx)
+        prob = problem(GemmKind.CONTIGUOUS, m, N_G, K_G, G, a, b, Recipe.GROUP, Recipe.BLOCK,
+                       torch.bfloat16)
+        out = _poisoned((m, N_G), torch.bfloat16)
+        tb.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, idx, prob)
+        _check(out, ref, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantisation
+
+
+def _fp8_ordinal(q: torch.Tensor) -> torch.Tensor:
+    bits = q.view(torch.uint8).to(torch.int32)
+    mag = bits & 0x7F
+    return torch.where(bits >= 0x80, -mag, mag)
+
+
+def _ref_quant_groups(x: torch.Tensor, fmt: str, pow2: bool):
+    """x [..., G, 128] fp32 -> (q, scale [..., G]): the semantics of fp8gemm.quant."""
+    dtype = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax(-1).clamp(min=1e-4)
+    scale = amax / fmax
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (x / scale[..., None]).clamp(-fmax, fmax).to(dtype)
+    return q, scale
+
+
+def _check_quant(q, s, q_ref, s_ref):
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    # NOTE: under the interpreter the kernels round to the FP8 grid in FP32 arithmetic (its own
+    # float->fp8 cast mis-rounds); x / scale is IEEE division on both sides, so the values agree
+    # exactly but for ties at the rounding boundary: allow one step on 0.1 % of the elements.
+    steps = (_fp8_ordinal(q) - _fp8_ordinal(q_ref)).abs()
+    assert int(steps.max()) <= 1, int(steps.max())
+    assert float((steps > 0).float().mean()) <= 1e-3
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_per_token(tb, fmt, pow2):
+    m, k = 70, 300
+    x = (torch.randn(m, k, generator=_gen(61)) * torch.rand(m, 1, generator=_gen(62)) * 10)
+    x[3] = 0  # an all-zero row: amax floored at 1e-4
+    x = x.to(torch.bfloat16)
+    q, s = tb.quant.quantize_per_token(x, fmt=fmt, pow2_scales=pow2)
+    kb = ceil_div(k, 128)
+    assert q.shape == (m, k) and s.shape == (m, kb) and s.stride() == (1, 72)
+    xp = torch.nn.functional.pad(x.float(), (0, kb * 128 - k)).view(m, kb, 128)
+    q_ref, s_ref = _ref_quant_groups(xp, fmt, pow2)
+    _check_quant(q, s, q_ref.view(m, -1)[:, :k], s_ref)
+    q2, s2 = tb.quant.quantize_per_token(x.t().contiguous().t(), fmt=fmt, pow2_scales=pow2,
+                                         col_major_scales=False)  # column-major input
+    assert s2.is_contiguous() and torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_quantize_batched(tb):
+    """Leading dims: [B, M, K] quantises each [M, K] as the 2-D call does."""
+    x = (torch.randn(3, 33, 200, generator=_gen(65)) * 4).to(torch.bfloat16)
+    q, s = tb.quant.quantize_per_token(x)
+    assert q.shape == (3, 33, 200) and s.shape == (3, 33, 2) and s.stride() == (2 * 36, 1, 36)
+    qb, sb = tb.quant.quantize_per_block(x, "e5m2", pow2_scales=True)
+    assert sb.shape == (3, 1, 2)
+    for i in range(3):
+        q1, s1 = tb.quant.quantize_per_token(x[i])
+        assert torch.equal(s1, s[i]) and torch.equal(q1.view(torch.uint8), q[i].view(torch.uint8))
+        q1, s1 = tb.quant.quantize_per_block(x[i], "e5m2", pow2_scales=True)
+        assert torch.equal(s1, sb[i]) and torch.equal(q1.view(torch.uint8), qb[i].view(torch.uint8))
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_per_block(tb, fmt, pow2):
+    n, k = 200, 300
+    w = (torch.randn(n, k, generator=_gen(63)) * 0.05).to(torch.bfloat16)
+    q, s = tb.quant.quantize_per_block(w, fmt=fmt, pow2_scales=pow2)
+    nb, kb = ceil_div(n, 128), ceil_div(k, 128)
+    assert q.shape == (n, k) and s.shape == (nb, kb)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * 128 - k, 0, nb * 128 - n))
+    blocks = wp.view(nb, 128, kb, 128).permute(0, 2, 1, 3).reshape(nb, kb, 128 * 128)
+    q_ref, s_ref = _ref_quant_groups(blocks, fmt, pow2)
+    q_ref = q_ref.view(nb, kb, 128, 128).permute(0, 2, 1, 3).reshape(nb * 128, kb * 128)[:n, :k]
+    _check_quant(q, s, q_ref, s_ref)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_silu_mul_quantize_per_token(tb, fmt):
+    t, i = 37, 200
+    x = (torch.randn(t, 2 * i, generator=_gen(64)) * 3).to(torch.bfloat16)
+    q, s = tb.quant.silu_mul_quantize_per_token(x, fmt=fmt)
+    kb = ceil_div(i, 128)
+    assert q.shape == (t, i) and s.shape == (t, kb) and s.stride() == (1, 40)
+    y = torch.nn.functional.silu(x[:, :i].float()) * x[:, i:].float()
+    yp = torch.nn.functional.pad(y, (0, kb * 128 - i)).view(t, kb, 128)
+    q_ref, s_ref = _ref_quant_groups(yp, fmt, False)
+    _check_quant(q, s, q_ref.view(t, -1)[:, :i], s_ref)
+    with pytest.raises(ValueError, match="odd"):
+        tb.quant.silu_mul_quantize_per_token(x[:, :5])
+
+
+def test_quant_rejects_bad_input(tb):
+    with pytest.raises(ValueError, match="fmt"):
+        tb.quant.quantize_per_token(torch.zeros(4, 4), fmt="e3m4")
+    with pytest.raises(ValueError, match="2-D"):
+        tb.quant.quantize_per_block(torch.zeros(4))
+    with pytest.raises(TypeError, match="Tensor"):
+        tb.quant.quantize_per_block([[1.0]])
+    with pytest.raises(TypeError, match="bf16"):
+        tb.quant.quantize_per_token(torch.zeros(4, 4, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# availability, configs
+
+
+def test_available_and_supports(tb):
+    assert tb.NAME == "triton"
+    assert tb.is_available(CPU)
+    a = torch.zeros(1, dtype=E4M3)
+    for kind in GemmKind:
+        for ra in A_RECIPES:
+            for rb in B_RECIPES:
+                for da in (E4M3, E5M2):
+                    prob = problem(kind, 64, 64, 64, 2, a, a.to(da), ra, rb, torch.float32)
+                    assert tb.supports(prob) is None
+    bad = problem(GemmKind.DENSE, 4, 4, 4, 1, torch.zeros(1), a, Recipe.ROW, Recipe.ROW, torch.bfloat16)
+    assert "FP8" in tb.supports(bad)
+
+
+H200 = dict(name="H200", capability=(9, 0), num_sms=132, smem_per_block=232448, l2_bytes=60 << 20)
+
+
+def test_heuristic_small_m_splits_k(tb):
+    cfgmod = tb.config
+    facts = cfgmod.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    for m, n, k in [(64, 2112, 7168), (128, 4096, 7168), (64, 7168, 16384)]:
+        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+        cfg = cfgmod.choose_config(prob, facts)
+        tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+        assert cfg.split_k > 1, cfg
+        assert tiles * cfg.split_k <= 2 * facts.num_sms and cfg.num_programs <= facts.num_sms
+        kb = ceil_div(k, 128)
+        assert kb % cfg.split_k == 0 and kb // cfg.split_k >= 2  # even K ranges
+        assert cfg.use_tma and cfg.block_k == 128
+        assert cfgmod.choose_config(prob, facts) is cfg  # cached
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            cfg.split_k = 1
+
+
+def test_heuristic_large_m(tb):
+    cfgmod = tb.config
+    facts = cfgmod.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    for m, n, k in [(4096, 7168, 16384), (4096, 2112, 7168), (4096, 32768, 512)]:
+        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+        cfg = cfgmod.choose_config(prob, facts)
+        assert cfg.split_k == 1 and cfg.block_m == 128
+        stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
+        per_sm = cfg.num_programs // facts.num_sms
+        assert cfg.num_programs == per_sm * facts.num_sms and per_sm in (1, 2)
+        # the pipelines of all programs on one SM fit its shared memory
+        assert per_sm * (cfg.num_stages * stage_bytes + 2048) <= facts.smem_per_block + 1024
+        assert per_sm == 1 or cfg.num_warps == 4  # two programs: one warpgroup each (registers)
+        assert cfg.flatten == (k <= 4 * 128)
+        assert (cfg.block_n == 64) == (n <= 2304 or k <= 2048)
+    # unaligned K: no tensor descriptors; an sm_89 part has none either
+    prob = problem(GemmKind.DENSE, 4096, 4096, 7000, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    assert not cfgmod.choose_config(prob, facts).use_tma
+    ada = cfgmod.DeviceFacts(**{**H200, "capability": (8, 9)})
+    prob = problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    assert not cfgmod.choose_config(prob, ada).use_tma
+    # grouped: no split-K; masked tiles by expected_m
+    prob = problem(GemmKind.MASKED, 1024, 4096, 7168, 4, a, a, Recipe.GROUP, Recipe.BLOCK,
+                   torch.bfloat16, expected_m=32)
+    cfg = cfgmod.choose_config(prob, facts)
+    assert cfg.split_k == 1 and cfg.block_m == 64
+    cands = cfgmod.candidate_configs(prob, facts)
+    assert cands[0] == cfg and len(set(cands)) == len(cands) > 3
+
+
+def test_autotune_cache_roundtrip(tb, tmp_path, monkeypatch):
+    cfgmod = tb.config
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cfgmod, "_tuned", None)
+    facts = cfgmod.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    prob = problem(GemmKind.DENSE, 64, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    assert cfgmod.load_tuned(prob, facts) is None
+    cfg = cfgmod.candidate_configs(prob, facts)[2]
+    cfgmod.store_tuned(prob, facts, cfg)
+    monkeypatch.setattr(cfgmod, "_tuned", None)  # as a new process would
+    assert cfgmod.load_tuned(prob, facts) == cfg
+    assert (tmp_path / "triton_autotune.json").exists()
+    with pytest.raises(ValueError):
+        cfgmod.GemmConfig.from_json({"block_m": 64})
