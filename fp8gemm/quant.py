@@ -54,13 +54,19 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float)
     return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda":
-        return False
+def _triton_quant(x: torch.Tensor):
+    """The Triton quantisation kernels for a CUDA tensor (one pass over x), else None: the torch
+    code below, which is also their specification."""
+    if x.device.type != "cuda" or x.numel() == 0:
+        return None
     from .backends import get_backend
 
     triton = get_backend("triton")
-    return triton is not None and triton.is_available(x.device)
+    if triton is None or not triton.is_available(x.device):
+        return None
+    from .backends.triton import quant as kernels
+
+    return kernels
 
 
 def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
@@ -73,10 +79,10 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
     """
     _check_input(x, 2)
     dtype, fmax = fp8_dtype(fmt)
-    if _use_triton(x) and x.is_contiguous():
-        from .backends.triton.quant import quantize_per_token as triton_impl
-
-        return triton_impl(x, fmt=fmt, pow2_scales=pow2_scales, col_major_scales=col_major_scales)
+    kernels = _triton_quant(x)
+    if kernels is not None:
+        return kernels.quantize_per_token(x, fmt, pow2_scales=pow2_scales,
+                                          col_major_scales=col_major_scales)
     k = x.shape[-1]
     kb = ceil_div(k, _GROUP)
     xg = F.pad(x.float(), (0, kb * _GROUP - k)).unflatten(-1, (kb, _GROUP))
@@ -92,6 +98,10 @@ def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scal
     _check_input(x, 2)
     if x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
+    kernels = _triton_quant(x)
+    if kernels is not None:
+        return kernels.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
+                                                   col_major_scales=col_major_scales)
     gate, up = x.float().chunk(2, dim=-1)
     return quantize_per_token(F.silu(gate) * up, fmt, pow2_scales=pow2_scales,
                               col_major_scales=col_major_scales)
@@ -105,6 +115,9 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     """
     _check_input(w, 2)
     dtype, fmax = fp8_dtype(fmt)
+    kernels = _triton_quant(w)
+    if kernels is not None:
+        return kernels.quantize_per_block(w, fmt, pow2_scales=pow2_scales)
     n, k = w.shape[-2:]
     nb, kb = ceil_div(n, _GROUP), ceil_div(k, _GROUP)
     wp = F.pad(w.float(), (0, kb * _GROUP - k, 0, nb * _GROUP - n))

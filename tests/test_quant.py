@@ -260,3 +260,22 @@ def test_calc_diff():
     assert fp8gemm.calc_diff(x, y) == pytest.approx(calc_diff(x, y), rel=1e-9)
     assert fp8gemm.calc_diff(1e3 * x, 1e3 * y) == pytest.approx(calc_diff(x, y), rel=1e-6)
     assert fp8gemm.calc_diff(x.bfloat16(), y) == pytest.approx(calc_diff(x.bfloat16(), y))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["per_token", "per_block", "silu_mul"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_cuda_quantisation_matches_cpu_spec(name, fmt):
+    """On a GPU the public quantisers run Triton kernels; the torch code on the CPU is their spec.
+    Scales must agree to float rounding and values to one fp8 step (x/scale computed as a
+    product with the reciprocal may round the other way)."""
+    fn = {"per_token": fp8gemm.quantize_per_token, "per_block": fp8gemm.quantize_per_block,
+          "silu_mul": fp8gemm.silu_mul_quantize_per_token}[name]
+    x = torch.randn(3, 301, 1000) * 4
+    q_cpu, s_cpu = fn(x, fmt)
+    q_gpu, s_gpu = fn(x.cuda(), fmt)
+    torch.testing.assert_close(s_gpu.cpu(), s_cpu, rtol=1e-6, atol=0)
+    assert s_gpu.stride() == s_cpu.stride()
+    v_cpu, v_gpu = q_cpu.double(), q_gpu.cpu().double()
+    one_step = 2 * fp8_half_step(v_cpu, {"e4m3": E4M3, "e5m2": E5M2}[fmt])
+    assert bool(((v_gpu - v_cpu).abs() <= one_step).all())

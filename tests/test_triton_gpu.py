@@ -103,6 +103,21 @@ def test_c_aliasing_out(tb, m):
     assert calc_diff(out, ref) < 1e-7
 
 
+def test_output_past_2_31_elements(tb):
+    """64-bit addressing: an output of more than 2^31 elements (4.3 GB of bf16) is written in
+    full and right at its far end."""
+    m, n, k = (1 << 31) // 4096 + 300, 4096, 128
+    a, sa, b, sb = _dense(m, n, k, seed=41)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, GRP, BLK, torch.bfloat16)
+    tb.fp8_gemm_nt(a, sa, b, sb, out, None, prob)
+    assert not out[-1000:].isnan().any() and not out[:1000].isnan().any()
+    rows = torch.cat([torch.arange(0, 64), torch.arange(m - 600, m)]).cuda()
+    ref = dequant_a(a[rows], sa[rows], GRP) @ dequant_b(b, sb, BLK, False).T
+    assert calc_diff(out[rows], ref) < BF16_DIFF
+    del out
+
+
 def test_long_k_error_does_not_grow(tb):
     """Promotion every 128 of K: at K = 16384 the FP32-output error stays at the K = 1024 level."""
     diffs = {}

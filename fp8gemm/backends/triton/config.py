@@ -207,7 +207,9 @@ def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
                 if best is None or t < best[0] * 0.97:
                     best = (t, tile_c, split_c)
         _, tile, split = best
-    flatten = dense and k_blocks <= (16 if rows <= 128 else 4)
+    # NOTE: not with split-K: the flattened loop plus the workspace epilogue spill registers
+    # (compile check: 48-160 B stack)
+    flatten = dense and split == 1 and k_blocks <= (16 if rows <= 128 else 4)
     return _make_config(problem, facts, tile, split, flatten, use_tma)
 
 
@@ -249,7 +251,7 @@ def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GemmConf
             if split > 1 and not facts.num_sms // 2 <= ctas <= 2 * facts.num_sms:
                 continue  # splits only to fill the SMs about once
             add(_make_config(problem, facts, tile, split, base.flatten, base.use_tma))
-    if dense:
+    if dense and base.split_k == 1:
         add(replace(base, flatten=not base.flatten))
     if base.num_stages > 2:
         add(replace(base, num_stages=base.num_stages - 1))

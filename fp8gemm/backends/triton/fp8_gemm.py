@@ -98,8 +98,12 @@ def _mma_tile(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr,
             sb_next = tl.load(sb_k_ptr + tl.minimum(kb_lo, kb_last) * stride_sbk, mask=n_ok, other=0.0)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + g * stride_bg + offs_n[:, None] * stride_bn + offs_k[None, :]
+    # NOTE: the tile's origin in 64-bit scalar arithmetic (rows x K and groups x N x K can pass
+    # 2^31 elements), offsets inside the tile in 32-bit (fewer registers)
+    a_ptrs = (a_ptr + tl.cast(row0, tl.int64) * stride_am
+              + tl.arange(0, BLOCK_M)[:, None] * stride_am + offs_k[None, :])
+    b_ptrs = (b_ptr + tl.cast(g, tl.int64) * stride_bg + tl.cast(n0, tl.int64) * stride_bn
+              + tl.arange(0, BLOCK_N)[:, None] * stride_bn + offs_k[None, :])
     for i in range(0, n_iters):
         kb = kb_lo + i
         k0 = kb * BLOCK_K
@@ -152,19 +156,22 @@ def _mma_tile(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr,
 
 
 @triton.jit
-def _store_tile(acc, out_ptr, c_ptr, ws_ptr, offs_m, offs_n, row_ok, ks, M, N,
+def _store_tile(acc, out_ptr, c_ptr, ws_ptr, row0, offs_m, offs_n, row_ok, ks, M, N,
                 stride_om, stride_on, stride_cm, stride_cn,
                 HAS_C: tl.constexpr, SPLIT_K: tl.constexpr):
     mask = row_ok[:, None] & (offs_n < N)[None, :]
+    # NOTE: the tile origin in 64-bit scalar arithmetic (M x N can pass 2^31 elements)
+    rows = (offs_m - row0)[:, None]
+    r64 = tl.cast(row0, tl.int64)
     if SPLIT_K > 1:
         # partial sums to the workspace [SPLIT_K, M, N]; _splitk_reduce_kernel adds them in order
-        ws = ws_ptr + ks * M * N + offs_m[:, None] * N + offs_n[None, :]
+        ws = ws_ptr + (tl.cast(ks, tl.int64) * M + r64) * N + rows * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask)
     else:
         if HAS_C:
-            acc += tl.load(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            acc += tl.load(c_ptr + r64 * stride_cm + rows * stride_cm + offs_n[None, :] * stride_cn,
                            mask=mask, other=0.0)
-        o = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        o = out_ptr + r64 * stride_om + rows * stride_om + offs_n[None, :] * stride_on
         tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -238,7 +245,7 @@ def _fp8_gemm_nt_kernel(
                             stride_am, stride_bg, stride_bn,
                             stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
                             A_RECIPE, B_RECIPE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-            _store_tile(acc, out_ptr, c_ptr, ws_ptr, offs_m, offs_n, offs_m < M_A, ks, M_A, N,
+            _store_tile(acc, out_ptr, c_ptr, ws_ptr, row0, offs_m, offs_n, offs_m < M_A, ks, M_A, N,
                         stride_om, stride_on, stride_cm, stride_cn, HAS_C, SPLIT_K)
         elif KIND == 1:
             # the tile's first group here; further groups of a tile that holds several (a layout
@@ -253,7 +260,7 @@ def _fp8_gemm_nt_kernel(
                                 stride_sag, stride_sam, stride_sak,
                                 stride_sbg, stride_sbn, stride_sbk,
                                 A_RECIPE, B_RECIPE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-                _store_tile(acc, out_ptr, c_ptr, ws_ptr, offs_m, offs_n, gid == g_first, ks,
+                _store_tile(acc, out_ptr, c_ptr, ws_ptr, row0, offs_m, offs_n, gid == g_first, ks,
                             M_A, N, stride_om, stride_on, stride_cm, stride_cn, HAS_C, SPLIT_K)
         elif KIND == 2 or KIND == 3:
             # group g owns virtual m tiles [g_tiles_end[g] - g_tiles[g], g_tiles_end[g])
@@ -269,7 +276,7 @@ def _fp8_gemm_nt_kernel(
                             stride_am, stride_bg, stride_bn,
                             stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
                             A_RECIPE, B_RECIPE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-            _store_tile(acc, out_ptr, c_ptr, ws_ptr, offs_m, offs_n, offs_m < end, ks, M_A, N,
+            _store_tile(acc, out_ptr, c_ptr, ws_ptr, row0, offs_m, offs_n, offs_m < end, ks, M_A, N,
                         stride_om, stride_on, stride_cm, stride_cn, HAS_C, SPLIT_K)
 
     if KIND == 4:
@@ -296,7 +303,7 @@ def _fp8_gemm_nt_kernel(
                                         stride_sag, stride_sam, stride_sak,
                                         stride_sbg, stride_sbn, stride_sbk,
                                         A_RECIPE, B_RECIPE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-                        _store_tile(acc, out_ptr, c_ptr, ws_ptr, offs_m, offs_n, row_ok, ks,
+                        _store_tile(acc, out_ptr, c_ptr, ws_ptr, row0, offs_m, offs_n, row_ok, ks,
                                     M_A, N, stride_om, stride_on, stride_cm, stride_cn, HAS_C,
                                     SPLIT_K)
 
@@ -309,14 +316,16 @@ def _splitk_reduce_kernel(ws_ptr, out_ptr, c_ptr, M, N, stride_om, stride_on, st
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+    rows = offs_m.to(tl.int64)[:, None]  # 64-bit: M x N can pass 2^31 elements
+    ws = ws_ptr + rows * N + offs_n[None, :]
+    plane = tl.cast(M, tl.int64) * N
     acc = tl.load(ws, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ws + s * M * N, mask=mask, other=0.0)
+        acc += tl.load(ws + s * plane, mask=mask, other=0.0)
     if HAS_C:
-        acc += tl.load(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        acc += tl.load(c_ptr + rows * stride_cm + offs_n[None, :] * stride_cn,
                        mask=mask, other=0.0)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+    tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
