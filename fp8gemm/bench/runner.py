@@ -32,6 +32,18 @@ def _reference(data) -> torch.Tensor:
         return reference_output(data, torch.float32)
 
 
+def _skip(res, case, impl: str, shown: str, reason: str, device, log) -> bool:
+    """Record an impl that did not run on a case; True when the CUDA context is broken and the
+    suite must stop (every later launch would fail too)."""
+    res.skips.append((str(case), impl, reason))
+    log(f"  {case} {impl:<24} {shown}")
+    broken = _context_broken(device)
+    if broken:
+        res.aborted = f"{case} {impl}: CUDA context broken ({broken})"
+        log(f"ABORT: {res.aborted}")
+    return bool(broken)
+
+
 def _context_broken(device: torch.device) -> str | None:
     """A kernel fault (illegal address, trap) poisons the CUDA context for the whole process."""
     if device.type != "cuda":
@@ -63,12 +75,7 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
             try:
                 made = make_impl(impl, data, block_way)
             except Skip as e:
-                res.skips.append((str(case), impl, str(e)))
-                log(f"  {case} {impl:<24} skipped: {e}")
-                broken = _context_broken(device)
-                if broken:
-                    res.aborted = f"{case} {impl}: CUDA context broken ({broken})"
-                    log(f"ABORT: {res.aborted}")
+                if _skip(res, case, impl, f"skipped: {e}", str(e), device, log):
                     return res
                 continue
             if made.note and f"{impl}: {made.note}" not in notes_seen:
@@ -80,12 +87,8 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
                 eager = eager_time_us(made.fn, device)
                 us = median(timer.time_us(made.fn, eager.host_us, runs))
             except Exception as e:  # noqa: BLE001 - a failing impl must not end the benchmark
-                res.skips.append((str(case), impl, f"failed while timed: {type(e).__name__}: {e}"))
-                log(f"  {case} {impl:<24} failed while timed: {type(e).__name__}: {e}")
-                broken = _context_broken(device)
-                if broken:
-                    res.aborted = f"{case} {impl}: CUDA context broken ({broken})"
-                    log(f"ABORT: {res.aborted}")
+                why = f"failed while timed: {type(e).__name__}: {e}"
+                if _skip(res, case, impl, why, why, device, log):
                     return res
                 continue
             row = make_row(case.suite, case.op, case.shape, impl, us, eager.wall_us,

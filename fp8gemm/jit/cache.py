@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._files import write_atomic
 from . import elf
 
 __all__ = ["CacheEntry", "entry_path", "read_entry", "write_entry", "hash_key"]
@@ -75,29 +74,11 @@ def read_entry(path: Path) -> CacheEntry | None:
 
 def write_entry(path: Path, cubin: bytes, kernel_name: str, meta: dict) -> None:
     """Write atomically; concurrent writers of the same key each rename a complete file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     full = dict(meta, kernel=kernel_name, sha256=hashlib.sha256(cubin).hexdigest())
     header = _MAGIC + json.dumps(full, sort_keys=True).encode() + b"\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(cubin)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, header + cubin, durable=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Side files (ptxas log, SASS dump) with the same atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode())

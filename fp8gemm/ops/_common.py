@@ -45,6 +45,17 @@ def check_out_dtype(out_dtype: torch.dtype, name: str = "out_dtype") -> None:
         raise TypeError(f"{name} must be torch.bfloat16 or torch.float32, got {out_dtype}")
 
 
+def resolve_out_dtype(out, out_dtype: torch.dtype | None) -> torch.dtype:
+    """The output dtype: `out_dtype`, else out's dtype, else bfloat16; both must agree."""
+    if out_dtype is None:
+        out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
+        check_out_dtype(out_dtype, "out")  # the dtype came from the caller's out
+    check_out_dtype(out_dtype)
+    if isinstance(out, torch.Tensor) and out.dtype != out_dtype:
+        raise TypeError(f"out must have out_dtype {out_dtype}, got {out.dtype}")
+    return out_dtype
+
+
 def check_values_now(t: torch.Tensor) -> bool:
     """Value checks read memory: always on the CPU, on a GPU only when FP8GEMM_CHECK_VALUES=1
     (they synchronise the stream) and never while a CUDA graph is being captured."""

@@ -7,8 +7,8 @@ import torch
 from .._settings import hot_env, settings
 from ..backends import select_backend
 from ..problem import GemmKind, GemmProblem
-from ._common import (check_device, check_fp8, check_out_dtype, contiguous_operand, prepare_out,
-                      resolve_a_scale, resolve_b_scale, run_into, shape_str, split_operand)
+from ._common import (check_device, check_fp8, contiguous_operand, prepare_out, resolve_a_scale,
+                      resolve_b_scale, resolve_out_dtype, run_into, shape_str, split_operand)
 
 __all__ = ["fp8_gemm_nt"]
 
@@ -79,12 +79,7 @@ def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None
         raise ValueError(f"b must be [N, K] with K = {k} as in a, got {shape_str(b_t.shape)}")
     device = a_t.device
     check_device("b", b_t, device)
-    if out_dtype is None:
-        out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
-        check_out_dtype(out_dtype, "out")  # the dtype came from the caller's out
-    check_out_dtype(out_dtype)
-    if isinstance(out, torch.Tensor) and out.dtype != out_dtype:
-        raise TypeError(f"out must have out_dtype {out_dtype}, got {out.dtype}")
+    out_dtype = resolve_out_dtype(out, out_dtype)
     a_recipe, sa = resolve_a_scale("a", a_s, (), m, k, device)
     b_recipe, sb = resolve_b_scale("b", b_s, (), n, k, device)
     if c is not None:

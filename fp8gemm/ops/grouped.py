@@ -6,8 +6,9 @@ import torch
 
 from ..backends import select_backend
 from ..problem import GemmKind, GemmProblem
-from ._common import (check_device, check_fp8, check_index, check_out_dtype, check_values_now,
-                      contiguous_operand, prepare_out, resolve_a_scale, resolve_b_scale, run_into,
+from ._common import (check_device, check_fp8, check_index, check_values_now,
+                      contiguous_operand, prepare_out, resolve_a_scale, resolve_b_scale,
+                      resolve_out_dtype, run_into,
                       shape_str, split_operand)
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
@@ -23,16 +24,6 @@ def _grouped_b(b, k: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
     return b_t, b_s
 
 
-def _resolve_out_dtype(out, out_dtype):
-    if out_dtype is None:
-        out_dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
-        check_out_dtype(out_dtype, "out")  # the dtype came from the caller's out
-    check_out_dtype(out_dtype)
-    if isinstance(out, torch.Tensor) and out.dtype != out_dtype:
-        raise TypeError(f"out must have out_dtype {out_dtype}, got {out.dtype}")
-    return out_dtype
-
-
 def _prepare_2d(a, b, out, out_dtype):
     """Shared checks of the contiguous and offsets layouts: A [sum M, K], B [G, N, K]."""
     a_t, a_s = split_operand("a", a)
@@ -41,7 +32,7 @@ def _prepare_2d(a, b, out, out_dtype):
     device = a_t.device
     b_t, b_s = _grouped_b(b, k, device)
     g, n = b_t.shape[0], b_t.shape[1]
-    out_dtype = _resolve_out_dtype(out, out_dtype)
+    out_dtype = resolve_out_dtype(out, out_dtype)
     a_recipe, sa = resolve_a_scale("a", a_s, (), m, k, device)
     b_recipe, sb = resolve_b_scale("b", b_s, (g,), n, k, device)
     return a_t, sa, a_recipe, b_t, sb, b_recipe, (m, n, k, g), device, out_dtype
@@ -133,7 +124,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out: torch.Tensor | None, masked_m: torch
     if b_t.shape[0] != g:
         raise ValueError(f"b must be [G, N, K] with G = {g} as in a, got {shape_str(b_t.shape)}")
     n = b_t.shape[1]
-    out_dtype = _resolve_out_dtype(out, out_dtype)
+    out_dtype = resolve_out_dtype(out, out_dtype)
     ra, sa = resolve_a_scale("a", a_s, (g,), mmax, k, device)
     rb, sb = resolve_b_scale("b", b_s, (g,), n, k, device)
     check_index("masked_m", masked_m, (g,), device)

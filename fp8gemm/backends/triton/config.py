@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 import threading
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 import torch
 
+from ..._files import write_atomic
 from ..._settings import settings
 from ...problem import GemmKind, GemmProblem, ceil_div
 
@@ -305,7 +304,6 @@ def store_tuned(problem: GemmProblem, facts: DeviceFacts, cfg: GemmConfig) -> No
     global _tuned
     with _tuned_lock:
         path = _cache_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
             current = json.loads(path.read_text())
             if not isinstance(current, dict):
@@ -313,15 +311,5 @@ def store_tuned(problem: GemmProblem, facts: DeviceFacts, cfg: GemmConfig) -> No
         except (OSError, ValueError):
             current = {}
         current[_key(problem, facts)] = cfg.to_json()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".triton_autotune.", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(current, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomic(path, json.dumps(current, indent=1, sort_keys=True).encode())
         _tuned = current
