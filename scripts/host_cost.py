@@ -1,0 +1,74 @@
+"""Host cost of a warm eager call, and device time at small M, on a Hopper GPU.
+
+    python3 scripts/host_cost.py [--json PATH]
+
+Host time: the GPU is kept busy with a sleep kernel while 200 calls are enqueued, so the loop's
+wall time is the host's alone (the launch queue never fills). Device time: cold L2, as the bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import fp8gemm
+from fp8gemm.bench.timing import DeviceTimer, median
+
+
+def host_us(fn, calls: int = 200) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU work: the queue drains slower than we fill it
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6 / calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    timer = DeviceTimer(dev)
+    rows = []
+    for m, n, k in [(1, 2112, 7168), (37, 2112, 7168), (64, 2112, 7168), (128, 2112, 7168),
+                    (1, 7168, 2048), (64, 7168, 2048), (1, 200, 320)]:
+        x = torch.randn(m, k, device=dev)
+        w = torch.randn(n, k, device=dev)
+        a, sa = fp8gemm.quantize_per_token(x)
+        b, sb = fp8gemm.quantize_per_block(w)
+        sa_rm = sa.contiguous()  # row-major: the backend converts it per call
+        out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        for name, fn in [
+            ("op cuda, out given", lambda: fp8gemm.fp8_gemm_nt((a, sa), (b, sb), out, backend="cuda")),
+            ("op cuda, out allocated", lambda: fp8gemm.fp8_gemm_nt((a, sa), (b, sb), backend="cuda")),
+            ("op cuda, row-major sa", lambda: fp8gemm.fp8_gemm_nt((a, sa_rm), (b, sb), out, backend="cuda")),
+            ("op triton, out given", lambda: fp8gemm.fp8_gemm_nt((a, sa), (b, sb), out, backend="triton")),
+            ("torch._scaled_mm per-tensor", None),
+        ]:
+            if fn is None:
+                at, st = fp8gemm.quantize_per_tensor(x)
+                bt, sbt = fp8gemm.quantize_per_tensor(w)
+                mp = (m + 15) // 16 * 16
+                at = torch.nn.functional.pad(at.view(torch.uint8), (0, 0, 0, mp - m)).view(at.dtype)
+                fn = lambda: torch._scaled_mm(at, bt.t(), st.reshape(()), sbt.reshape(()),  # noqa: E731
+                                              out_dtype=torch.bfloat16)
+            h = host_us(fn)
+            d = median(timer.time_us(fn, h, 30))
+            rows.append(dict(m=m, n=n, k=k, impl=name, host_us=round(h, 2), device_us=round(d, 2)))
+            print(f"{m:>5}x{n}x{k:<6} {name:<28} host {h:7.2f} us   device {d:7.2f} us", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
