@@ -60,8 +60,12 @@ def main() -> None:
                 at = torch.nn.functional.pad(at.view(torch.uint8), (0, 0, 0, mp - m)).view(at.dtype)
                 fn = lambda: torch._scaled_mm(at, bt.t(), st.reshape(()), sbt.reshape(()),  # noqa: E731
                                               out_dtype=torch.bfloat16)
-            h = host_us(fn)
-            d = median(timer.time_us(fn, h, 30))
+            try:
+                h = host_us(fn)
+                d = median(timer.time_us(fn, h, 30))
+            except (RuntimeError, ValueError) as e:
+                print(f"{m:>5}x{n}x{k:<6} {name:<28} failed: {str(e).splitlines()[0][:100]}")
+                continue
             rows.append(dict(m=m, n=n, k=k, impl=name, host_us=round(h, 2), device_us=round(d, 2)))
             print(f"{m:>5}x{n}x{k:<6} {name:<28} host {h:7.2f} us   device {d:7.2f} us", flush=True)
     if args.json:
