@@ -247,8 +247,7 @@ class _Plan:
         cfg, m, n, k = self.cfg, self.m, self.n, self.k
         tm = self.tmaps
         sa_stride = align(m, 4) if self.num_kb == 1 else sa.stride(1)
-        a_box_rows = min(cfg.block_m, align(m, 8))  # as the kernel's a_box_rows
-        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (a.stride(0),), (BLOCK_K, a_box_rows),
+        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (a.stride(0),), (BLOCK_K, cfg.block_m),
                        jit.Swizzle.B128)
         map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (b.stride(0),), (BLOCK_K, cfg.block_n),
                        jit.Swizzle.B128)

@@ -57,12 +57,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
   constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
-  // NOTE: when M < BLOCK_M the A box shrinks to M rounded up to 8 rows (the host builds the
-  // tensor map the same way): TMA's zero fill of out-of-bounds rows costs about what loading them
-  // would (M = 1 took 25 us against 14.5 us at M = 64 for 2112x7168). The rows of the stage left
-  // unwritten only feed accumulator rows >= M, which the clipped TMA store never writes.
-  const uint32_t a_box_rows = shape_m < BLOCK_M ? (shape_m + 7) / 8 * 8 : BLOCK_M;
-  const uint32_t stage_tx_bytes = a_box_rows * BLOCK_K + Layout::SMEM_B + Layout::SMEM_SA;
+  constexpr uint32_t kStageTxBytes = Layout::SMEM_A + Layout::SMEM_B + Layout::SMEM_SA;
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold two BLOCK_N/2 float accumulators per thread. 128 * 40 + 256 * 232 fits
   // the 64K-register file.
@@ -145,12 +140,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
           mbar_wait(&empty_bar[stage], phase ^ 1);
           uint64_t* bar = &full_bar[stage];
-          mbar_arrive_expect_tx(bar, stage_tx_bytes);
+          mbar_arrive_expect_tx(bar, kStageTxBytes);
           const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
           uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
           uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
           // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
-          // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
+          // other CTA's barrier still expects those bytes, so both count the same kStageTxBytes.
           if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
             if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
           } else {
