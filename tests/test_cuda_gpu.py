@@ -210,3 +210,72 @@ def test_forced_configs(m, n, k, bm, bn, multicast, on_a, gpu_device):
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
     assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
+
+
+# --- review 2026-11-30: written without a GPU run; each is a plain call plus the usual checks --------
+def test_misaligned_base_pointers(gpu_device):
+    """Contiguous views at odd storage offsets (A one byte, out two bytes past a 16-byte
+    boundary): TMA cannot address them; the backend copies and writes only the view."""
+    m, n, k = 130, 576, 320
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    a_buf = torch.empty(m * k + 16, dtype=E4M3, device=gpu_device)
+    a_odd = a_buf[1:1 + m * k].view(m, k)
+    a_odd.copy_(a)
+    out_buf = torch.full((m * n + 16,), 7.0, dtype=torch.bfloat16, device=gpu_device)
+    out_odd = out_buf[1:1 + m * n].view(m, n)
+    assert a_odd.data_ptr() % 16 and out_odd.data_ptr() % 16
+    run_cuda(a_odd, sa, b, sb, out=out_odd)
+    torch.cuda.synchronize()
+    assert bool((out_buf[0] == 7.0).all()) and bool((out_buf[1 + m * n:] == 7.0).all())
+    assert calc_diff(out_odd, reference(a, sa, b, sb)) < TOL_BF16
+
+
+def test_one_row_views_with_odd_row_strides(gpu_device):
+    """M = 1 views of wider buffers: torch calls them contiguous whatever their row stride."""
+    m, n, k = 1, 576, 320
+    _, sa, b, sb = make_operands(m, n, k, gpu_device)
+    a_wide = torch.randn(2, k + 8, device=gpu_device).to(E4M3)
+    a1 = a_wide[:1, :k]
+    big = torch.full((2, n + 4), 7.0, dtype=torch.bfloat16, device=gpu_device)
+    out1 = big[:1, :n]
+    assert a1.is_contiguous() and out1.is_contiguous() and (out1.stride(0) * 2) % 16
+    run_cuda(a1, sa, b, sb, out=out1)
+    torch.cuda.synchronize()
+    assert bool((big[0, n:] == 7.0).all()) and bool((big[1] == 7.0).all())
+    assert calc_diff(out1, reference(a1, sa, b, sb)) < TOL_BF16
+
+
+def test_set_num_sms_applies_to_a_shape_already_run(gpu_device):
+    import fp8gemm
+    from fp8gemm.backends.cuda import sm90_fp8_gemm as g
+
+    m, n, k = 4096, 4096, 7168  # more tiles than SMs: the grid is the SM count
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    run_cuda(a, sa, b, sb)
+    key = (m, n, k, a.device.index)
+    assert g._plans[key].cfg.grid > 66
+    try:
+        fp8gemm.set_num_sms(66)
+        out = run_cuda(a, sa, b, sb)
+        torch.cuda.synchronize()
+        assert g._plans[key].cfg.grid <= 66
+    finally:
+        fp8gemm.set_num_sms(None)
+    assert not torch.isnan(out).any()
+    assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_device_that_is_not_current(gpu_device):
+    """Default stream (NULL) of cuda:1 while cuda:0 is current: the kernel must run on cuda:1."""
+    if torch.cuda.get_device_capability(1) != (9, 0):
+        pytest.skip("cuda:1 is not a Hopper GPU")
+    dev = torch.device("cuda", 1)
+    m, n, k = 130, 576, 320
+    with torch.cuda.device(0):
+        a, sa, b, sb = make_operands(m, n, k, dev)
+        out = run_cuda(a, sa, b, sb)
+        torch.cuda.synchronize(dev)
+        assert torch.cuda.current_device() == 0
+    assert not torch.isnan(out).any()
+    assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16

@@ -63,7 +63,39 @@ def test_key_changes_with_every_input(tmp_path):
 
 
 # --- disk entries ------------------------------------------------------------------------------------
-FAKE_CUBIN = b"\x7fELF\x02\x01" + bytes(200)
+def _fake_cubin(kernel: str) -> bytes:
+    """A minimal ELF64 whose sections say it holds one kernel: .text.<kernel>, .nv.info.<kernel>,
+    plus a NOBITS .nv.shared.<kernel> whose size lies past the end of the file."""
+    import struct
+
+    names = ["", ".shstrtab", f".text.{kernel}", f".nv.info.{kernel}", f".nv.shared.{kernel}"]
+    strtab = b"".join(n.encode() + b"\0" for n in names)
+    offsets = [sum(len(n) + 1 for n in names[:i]) for i in range(len(names))]
+    body_off = 64
+    text = b"\0" * 16
+    sh_off = body_off + len(strtab) + len(text)
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<Q", head, 0x28, sh_off)
+    struct.pack_into("<HHH", head, 0x3A, 64, len(names), 1)
+    # (name offset, type, file offset, size): PROGBITS = 1, STRTAB = 3, NOBITS = 8
+    sections = [(0, 0, 0, 0), (offsets[1], 3, body_off, len(strtab)),
+                (offsets[2], 1, body_off + len(strtab), len(text)), (offsets[3], 1, body_off, 0),
+                (offsets[4], 8, 1 << 20, 4096)]
+    table = b""
+    for name, sh_type, off, size in sections:
+        sh = bytearray(64)
+        struct.pack_into("<II", sh, 0, name, sh_type)
+        struct.pack_into("<QQ", sh, 0x18, off, size)
+        table += bytes(sh)
+    return bytes(head) + strtab + text + table
+
+
+FAKE_CUBIN = _fake_cubin("kern")
+
+
+def test_fake_cubin_reads_as_one_kernel():
+    assert elf.kernel_names(FAKE_CUBIN) == ["kern"]
 
 
 def test_entry_roundtrip_and_corruption(tmp_path):
@@ -79,6 +111,9 @@ def test_entry_roundtrip_and_corruption(tmp_path):
         assert cache.read_entry(path) is None
         assert not path.exists(), "a corrupt entry is removed so that it is rebuilt"
     assert cache.read_entry(path) is None  # missing
+    # A header whose kernel name is not in the (intact) cubin: the header has no checksum.
+    cache.write_entry(path, FAKE_CUBIN, "other_kernel", {"compiler": "x"})
+    assert cache.read_entry(path) is None and not path.exists()
 
 
 def _compile_in_child(args):
@@ -158,3 +193,65 @@ def test_tma_encode_validates_before_the_driver():
         jit.encode_tiled(torch.uint8, 256, (512, 512), (512,), (512, 64))
     with pytest.raises(ValueError, match="swizzle"):
         jit.encode_tiled(torch.bfloat16, 256, (512, 512), (1024,), (128, 64), jit.Swizzle.B128)
+    with pytest.raises(ValueError, match="dims"):
+        jit.encode_tiled(torch.uint8, 256, (128, 0), (128,), (128, 64))
+    with pytest.raises(ValueError, match="multiples of 16"):  # an expanded row: stride 0
+        jit.encode_tiled(torch.uint8, 256, (128, 1), (0,), (128, 64))
+
+
+# --- what else shapes a binary; failure paths (review 2026-11-30) ------------------------------------
+def test_cache_ident_covers_fixed_options_and_nvcc_env(monkeypatch):
+    """The options every compile passes, and nvcc's flag variables, are part of the cache key:
+    editing them must not reuse a binary built without them."""
+    from fp8gemm.jit.compiler import NVCC_OPTIONS, NVRTC_OPTIONS, Compiler
+
+    nvrtc = Compiler("nvrtc", "nvrtc 13.0")
+    assert all(o in nvrtc.cache_ident for o in NVRTC_OPTIONS)
+    nvcc = Compiler("nvcc", "nvcc 13.0")
+    assert all(o in nvcc.cache_ident for o in NVCC_OPTIONS)
+    monkeypatch.delenv("NVCC_APPEND_FLAGS", raising=False)
+    monkeypatch.delenv("NVCC_PREPEND_FLAGS", raising=False)
+    plain = nvcc.cache_ident
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-lineinfo")
+    assert nvcc.cache_ident != plain
+
+
+def test_nvrtc_ident_names_the_loaded_library():
+    from fp8gemm.jit.compiler import _nvrtc_ident
+
+    ident = _nvrtc_ident()
+    if ident is None:
+        pytest.skip("no NVRTC here")
+    if Path("/proc/self/maps").exists():
+        assert "libnvrtc.so" in ident, ident
+
+
+def test_unwritable_cache_dir_warns_and_still_compiles(tmp_path, monkeypatch):
+    _compiler_or_skip()
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(blocker / "cache"))
+    with pytest.warns(RuntimeWarning, match="cannot write the kernel cache"):
+        _, compiled, _, cached = jit.compile_cached(SOURCE, NAME)
+    assert not cached and elf.is_elf(compiled.cubin)
+
+
+def test_compile_error_names_the_kernel(cache_dir):
+    _compiler_or_skip()
+    with pytest.raises(jit.CompileError, match="scale_kernel<3>"):
+        jit.compile_cached(SOURCE + "\nthis is not C++;\n", NAME)
+
+
+def test_launch_config_hands_out_the_struct_with_its_address():
+    """The launch keeps the struct alive while the driver reads it (no GPU needed to build)."""
+    import ctypes
+
+    cfg = jit.LaunchConfig((4, 1, 1), (128, 1, 1), 1024, (2, 1, 1))
+    struct_, address = cfg.for_stream(1234)
+    assert address == ctypes.addressof(struct_)
+    assert (struct_.gridDimX, struct_.blockDimX, struct_.sharedMemBytes) == (4, 128, 1024)
+    assert struct_.numAttrs == 1 and struct_.hStream == 1234
+    assert cfg.for_stream(1234)[1] == address and cfg.for_stream(0)[1] != address
+    assert jit.LaunchConfig((4, 1, 1), (128, 1, 1), 0).for_stream(0)[0].numAttrs == 0
+    with pytest.raises(ValueError, match="multiple of the cluster"):
+        jit.LaunchConfig((3, 1, 1), (128, 1, 1), 0, (2, 1, 1))

@@ -9,7 +9,8 @@ One entry is one file, ``<cache_dir>/cubin/<key[:2]>/<key>.cubin``:
 Writes go to a temporary file in the same directory and are renamed over the entry
 (`os.replace` is atomic on POSIX), so a reader sees a whole entry or none, and processes that
 compile the same kernel at once simply race to write identical entries. A reader checks the
-magic line, the cubin's SHA-256 and its ELF header; a bad entry is removed and rebuilt.
+magic line, the cubin's SHA-256, its ELF header and that the recorded kernel is in it; a bad
+entry is removed and rebuilt.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def read_entry(path: Path) -> CacheEntry | None:
             raise ValueError("checksum mismatch")
         if not elf.is_elf(cubin):
             raise ValueError("not an ELF cubin")
+        # The header is outside the checksum: its kernel name must name a kernel of the cubin.
+        if str(meta["kernel"]) not in elf.kernel_names(cubin):
+            raise ValueError("kernel not in the cubin")
         return CacheEntry(cubin, str(meta["kernel"]), meta)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError):
         try:

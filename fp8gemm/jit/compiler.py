@@ -39,12 +39,29 @@ class CompiledCubin:
     seconds: float
 
 
+# NOTE: options every compile passes besides the caller's flags; `Compiler.cache_ident` puts them
+# in the cache key, so editing them here invalidates old entries instead of reusing them.
+NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+NVCC_OPTIONS = ("-cubin", "-std=c++17", "-Xptxas=-v")
+# nvcc adds these environment variables' flags to every command line: they shape the binary.
+NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
+
+
 @dataclass(frozen=True)
 class Compiler:
-    """One compiler. `ident` names it and its exact version: part of every cache key."""
+    """One compiler. `ident` names it and its exact version."""
 
     name: str  # "nvrtc" or "nvcc"
     ident: str
+
+    @property
+    def cache_ident(self) -> str:
+        """`ident` plus everything else of this compiler that shapes a binary: the fixed options
+        and, for nvcc, its flag environment variables. Part of every cache key."""
+        if self.name == "nvrtc":
+            return f"{self.ident} {' '.join(NVRTC_OPTIONS)}"
+        env = " ".join(f"{v}={os.environ.get(v, '')}" for v in NVCC_ENV_FLAGS)
+        return f"{self.ident} {' '.join(NVCC_OPTIONS)} {env}"
 
     def compile(self, source: str, name_expr: str, include_dirs: tuple[str, ...],
                 flags: tuple[str, ...], arch: str) -> CompiledCubin:
@@ -66,7 +83,9 @@ def _nvrtc_ident() -> str | None:
         return None
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         return None
-    # NOTE: nvrtcVersion gives only major.minor; the wheel's version pins the exact build.
+    # NOTE: nvrtcVersion gives only major.minor; the wheel's version pins the exact build, and
+    # the library actually loaded (a system libnvrtc may be loaded while a wheel of another
+    # version is installed, or no wheel at all) is named by its path and size.
     build = ""
     try:
         from importlib.metadata import version
@@ -79,7 +98,24 @@ def _nvrtc_ident() -> str | None:
                 continue
     except ImportError:
         pass
-    return f"nvrtc {major}.{minor}{build}"
+    return f"nvrtc {major}.{minor}{build}{_loaded_library('libnvrtc.so')}"
+
+
+def _loaded_library(stem: str) -> str:
+    """' <path>:<size>' of the shared library `stem` mapped into this process (Linux), else ''."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if stem in line
+                     and len(line.split(None, 5)) == 6}
+    except OSError:
+        return ""
+    for path in sorted(paths):
+        if Path(path).name.startswith(stem):
+            try:
+                return f" {path}:{os.path.getsize(path)}"
+            except OSError:
+                return f" {path}"
+    return ""
 
 
 def nvrtc_available() -> bool:
@@ -109,7 +145,7 @@ def _compile_nvrtc(source: str, name_expr: str, include_dirs, flags, arch) -> Co
     try:
         expr = name_expr.encode()
         _nvrtc_check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, expr), what="nvrtcAddNameExpression")
-        opts = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v",
+        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS,
                 *(f"-I{d}" for d in include_dirs), *flags]
         if settings.jit_debug:
             print(f"[fp8gemm.jit] nvrtc {' '.join(opts)}", flush=True)
@@ -117,7 +153,8 @@ def _compile_nvrtc(source: str, name_expr: str, include_dirs, flags, arch) -> Co
         result = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
         log = _nvrtc_log(nvrtc, prog)
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"NVRTC compile failed ({result[0]}):\n{log}")
+            raise CompileError(f"NVRTC compile of {name_expr} failed ({result[0]}), options "
+                               f"{' '.join(opts)}:\n{log}")
         err, lowered = nvrtc.nvrtcGetLoweredName(prog, expr)
         _nvrtc_check(nvrtc, err, prog, "nvrtcGetLoweredName")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
@@ -172,14 +209,15 @@ def _compile_nvcc(source: str, name_expr: str, include_dirs, flags, arch) -> Com
         src.write_text(text)
         # NOTE: the -gencode form assembles wgmma/setmaxnreg; the -arch=sm_90a shorthand also runs
         # a plain sm_90 pass on some nvcc versions, which rejects them.
-        cmd = [path, "-cubin", f"-gencode=arch={compute},code={arch}", "-std=c++17",
-               "-Xptxas=-v", *(f"-I{d}" for d in include_dirs), *flags, "-o", str(out), str(src)]
+        cmd = [path, *NVCC_OPTIONS, f"-gencode=arch={compute},code={arch}",
+               *(f"-I{d}" for d in include_dirs), *flags, "-o", str(out), str(src)]
         if settings.jit_debug:
             print(f"[fp8gemm.jit] {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            raise CompileError(f"nvcc failed ({proc.returncode}):\n{log}")
+            raise CompileError(f"nvcc compile of {name_expr} failed ({proc.returncode}): "
+                               f"{' '.join(cmd)}\n{log}")
         cubin = out.read_bytes()
     kernels = elf.kernel_names(cubin)
     if len(kernels) != 1:

@@ -7,6 +7,7 @@ import struct
 __all__ = ["is_elf", "section_names", "kernel_names"]
 
 _MAGIC = b"\x7fELF"
+_SHT_NOBITS = 8
 
 
 def is_elf(data: bytes) -> bool:
@@ -24,27 +25,27 @@ def section_names(data: bytes) -> list[str]:
         if e_shentsize < 64 or e_shoff + e_shnum * e_shentsize > len(data) or e_shstrndx >= e_shnum:
             raise ValueError("section header table out of range")
 
-        def header(i: int) -> tuple[int, int, int]:
+        def header(i: int) -> tuple[int, int, int, int]:
             base = e_shoff + i * e_shentsize
-            (name,) = struct.unpack_from("<I", data, base)
+            name, sh_type = struct.unpack_from("<II", data, base)
             offset, size = struct.unpack_from("<QQ", data, base + 0x18)
-            return name, offset, size
+            return name, sh_type, offset, size
 
-        _, str_off, str_size = header(e_shstrndx)
+        _, _, str_off, str_size = header(e_shstrndx)
         if str_off + str_size > len(data):
             raise ValueError("string table out of range")
         strtab = data[str_off:str_off + str_size]
         names = []
         for i in range(e_shnum):
-            name_off, off, size = header(i)
+            name_off, sh_type, off, size = header(i)
             end = strtab.find(b"\x00", name_off)
             if end < 0:
                 raise ValueError("unterminated section name")
             names.append(strtab[name_off:end].decode(errors="replace"))
-            if off + size > len(data) and not names[-1].startswith(".nv.shared"):
-                # NOTE: NOBITS sections (.bss, .nv.shared.*) have a size but no bytes in the file.
-                if not names[-1].startswith((".bss", ".nv.local", ".nv.global")):
-                    raise ValueError(f"section {names[-1]!r} out of range")
+            # NOTE: NOBITS sections (.bss, .nv.shared.*, .nv.local.*) have a size but no bytes
+            # in the file.
+            if sh_type != _SHT_NOBITS and off + size > len(data):
+                raise ValueError(f"section {names[-1]!r} out of range")
         return names
     except struct.error as e:
         raise ValueError(f"truncated ELF: {e}") from e

@@ -2,12 +2,13 @@
 
     kernel = build(source, name_expr, include_dirs=(...,))      # cached in-process and on disk
     kernel.set_max_dynamic_smem(nbytes, device_index)
-    launch = kernel.launch_config(grid=(132, 1, 1), block=(384, 1, 1), smem=nbytes, cluster=(2, 1, 1))
+    launch = LaunchConfig(grid=(132, 1, 1), block=(384, 1, 1), smem=nbytes, cluster=(2, 1, 1))
     params = ParamPack([ctypes.c_uint64(ptr), ctypes.c_uint32(m), tensor_map, ...])
     kernel.launch(launch, stream, params)                         # stream: raw cudaStream_t int
 
 Loading uses `cuLibraryLoadData`, which is context-independent: the driver resolves the kernel
-in whichever context is current at launch (PyTorch's primary context of the device).
+in the context of the launch stream, or, for the NULL/legacy/per-thread stream, in the thread's
+current context, which the caller must make the tensors' device (see cuLaunchKernelEx in cuda.h).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import ctypes
 import functools
 import hashlib
 import subprocess
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from .._settings import settings
@@ -89,7 +92,9 @@ class LaunchConfig:
             self._attrs[0].value.clusterDim.z = cluster
         self._per_stream: dict[int, tuple[driver.CUlaunchConfig, int]] = {}
 
-    def address_for(self, stream: int) -> int:
+    def for_stream(self, stream: int) -> tuple:
+        """(CUlaunchConfig, its address) for `stream`. The caller keeps the tuple while the
+        driver reads the struct: another thread may drop it from the table meanwhile."""
         # NOTE: one immutable struct per stream, so threads launching on different streams never
         # see each other's writes (ctypes drops the GIL inside the call).
         entry = self._per_stream.get(stream)
@@ -106,7 +111,7 @@ class LaunchConfig:
             if len(self._per_stream) > 64:
                 self._per_stream.clear()
             self._per_stream[stream] = entry
-        return entry[1]
+        return entry
 
 
 class Kernel:
@@ -140,8 +145,9 @@ class Kernel:
         self._smem_set[device_index] = nbytes
 
     def launch(self, config: LaunchConfig, stream: int, params: ParamPack) -> None:
-        rc = driver.lib().cuLaunchKernelEx(config.address_for(stream), self.handle,
-                                           ctypes.addressof(params.array), None)
+        cfg = config.for_stream(stream)  # held until the driver has read it
+        rc = driver.lib().cuLaunchKernelEx(cfg[1], self.handle, ctypes.addressof(params.array),
+                                           None)
         if rc != 0:
             raise driver.DriverError(f"cuLaunchKernelEx({self.name}, grid={config.grid}, "
                                      f"block={config.block}, smem={config.smem}, "
@@ -175,13 +181,12 @@ def _dump_sass(path: Path, cubin: bytes) -> None:
     if tool is None:
         print("[fp8gemm.jit] FP8GEMM_DUMP_SASS: no cuobjdump found", flush=True)
         return
-    tmp = path.with_suffix(".dump.cubin")
-    tmp.write_bytes(cubin)
-    try:
+    # NOTE: a private temporary file: processes compiling the same kernel dump it at once.
+    with tempfile.TemporaryDirectory(prefix="fp8gemm-sass-") as tmp_dir:
+        tmp = Path(tmp_dir) / "kernel.cubin"
+        tmp.write_bytes(cubin)
         out = subprocess.run([tool, "-sass", str(tmp)], capture_output=True, text=True)
-        cache.write_text_atomic(path.with_suffix(".sass"), out.stdout + out.stderr)
-    finally:
-        tmp.unlink(missing_ok=True)
+    cache.write_text_atomic(path.with_suffix(".sass"), out.stdout + out.stderr)
 
 
 def compile_cached(source: str, name_expr: str, include_dirs: tuple[str, ...] = (),
@@ -191,7 +196,7 @@ def compile_cached(source: str, name_expr: str, include_dirs: tuple[str, ...] = 
     Needs no GPU, so CI can build every kernel."""
     comp = get_compiler(compiler)
     include_dirs = tuple(str(Path(d).resolve()) for d in include_dirs)
-    key = cache_key(source, name_expr, include_dirs, tuple(flags), arch, comp.ident)
+    key = cache_key(source, name_expr, include_dirs, tuple(flags), arch, comp.cache_ident)
     path = cache.entry_path(settings.cache_dir, key)
     entry = cache.read_entry(path)
     if entry is not None:
@@ -200,15 +205,33 @@ def compile_cached(source: str, name_expr: str, include_dirs: tuple[str, ...] = 
         log = entry.meta.get("log", "")
         return key, CompiledCubin(entry.cubin, entry.kernel_name, log, 0.0), path, True
     compiled = comp.compile(source, name_expr, include_dirs, tuple(flags), arch)
-    cache.write_entry(path, compiled.cubin, compiled.kernel_name,
-                      {"compiler": comp.ident, "arch": arch, "seconds": compiled.seconds,
-                       "name_expr": name_expr, "log": compiled.log})
+    try:
+        cache.write_entry(path, compiled.cubin, compiled.kernel_name,
+                          {"compiler": comp.ident, "arch": arch, "seconds": compiled.seconds,
+                           "name_expr": name_expr, "log": compiled.log})
+    except OSError as e:
+        # NOTE: a read-only or full cache directory costs a compile per process, not the call.
+        _warn_unwritable(str(settings.cache_dir), e)
+        return key, compiled, path, False
     if settings.jit_debug:
         print(f"[fp8gemm.jit] compiled {name_expr} with {comp.name} in {compiled.seconds:.2f} s "
               f"-> {path}\n{compiled.log.strip()}", flush=True)
     if settings.dump_sass:
         _dump_sass(path, compiled.cubin)
     return key, compiled, path, False
+
+
+_warned_dirs: set[str] = set()
+
+
+def _warn_unwritable(cache_dir: str, error: OSError) -> None:
+    """One warning per cache directory."""
+    if cache_dir in _warned_dirs:
+        return
+    _warned_dirs.add(cache_dir)
+    warnings.warn(f"fp8gemm: cannot write the kernel cache under {cache_dir} ({error}); kernels "
+                  f"are compiled again in every process. Set FP8GEMM_CACHE_DIR to a writable "
+                  f"directory.", RuntimeWarning, stacklevel=3)
 
 
 def build(source: str, name_expr: str, include_dirs: tuple[str, ...] = (),

@@ -65,8 +65,11 @@ def encode_tiled(dtype: torch.dtype, address: int, dims: tuple[int, ...],
         raise ValueError(f"rank {rank}: dims {dims}, box {box}, strides {strides_bytes} disagree")
     if address % 16:
         raise ValueError(f"TMA needs a 16-byte aligned base address, got {address:#x}")
-    if any(s % 16 for s in strides_bytes):
-        raise ValueError(f"TMA needs strides that are multiples of 16 bytes, got {strides_bytes}")
+    if any(not 1 <= d <= 2 ** 32 for d in dims):
+        raise ValueError(f"TMA dims are 1..2^32 elements, got {dims}")
+    if any(s % 16 or not 0 < s < 2 ** 40 for s in strides_bytes):
+        raise ValueError(f"TMA needs strides that are multiples of 16 bytes in (0, 2^40), "
+                         f"got {strides_bytes}")
     if any(not 1 <= b <= 256 for b in box):
         raise ValueError(f"TMA boxes are 1..256 elements a side, got {box}")
     elem = torch.empty((), dtype=dtype).element_size()
@@ -106,7 +109,10 @@ class TensorMapCache:
         tmap = self._maps.get(key)
         if tmap is not None:
             self.hits += 1
-            self._maps.move_to_end(key)
+            try:
+                self._maps.move_to_end(key)
+            except KeyError:  # another thread evicted it meanwhile; the map itself is still good
+                pass
             return tmap
         self.misses += 1
         tmap = encode_tiled(dtype, address, dims, strides_bytes, box, swizzle)

@@ -15,6 +15,7 @@ import torch
 
 from ... import jit
 from ..._settings import settings
+from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
@@ -48,6 +49,16 @@ WIDE_TILE_EFFICIENCY = 0.96
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
 MULTICAST_MIN_M = 512
+# NOTE: the kernel keeps every k-block's B scales in shared memory (8 bytes per 128 of K) and
+# prefetches them into registers (2 * K/128 / math threads per thread): at K = 262144 a 64x160 tile
+# spills, and near K = 4M no tile fits shared memory. 131072 is the largest K checked to compile
+# without spills for the widest tiles (tests/test_cuda_compile.py); larger K goes to another backend.
+MAX_K = 131072
+# NOTE: TMA needs 16-byte aligned global base addresses (and row strides).
+TMA_ALIGN = 16
+# Raw stream handles that are not real streams: NULL (legacy default), CU_STREAM_LEGACY,
+# CU_STREAM_PER_THREAD (cuda.h).
+_SPECIAL_STREAMS = (0, 1, 2)
 
 
 def mma_efficiency(block_m: int, block_n: int) -> float:
@@ -218,10 +229,12 @@ class _Plan:
     """Everything fixed for one (problem, device): config, kernel, launch config, arg packs."""
 
     __slots__ = ("cfg", "kernel", "launch", "device_index", "m", "n", "k", "num_kb", "packs",
-                 "tmaps")
+                 "tmaps", "sm_override")
 
     def __init__(self, problem: GemmProblem, device_index: int,
                  cfg: Sm90GemmConfig | None = None) -> None:
+        # The set_num_sms value this plan's grid was chosen under (see _get_plan).
+        self.sm_override = _SmCount.override
         if cfg is None:
             cfg = select_config(problem, DeviceFacts.of(torch.device("cuda", device_index)))
         self.cfg = cfg
@@ -247,15 +260,15 @@ class _Plan:
         cfg, m, n, k = self.cfg, self.m, self.n, self.k
         tm = self.tmaps
         sa_stride = align(m, 4) if self.num_kb == 1 else sa.stride(1)
-        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (a.stride(0),), (BLOCK_K, cfg.block_m),
-                       jit.Swizzle.B128)
-        map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (b.stride(0),), (BLOCK_K, cfg.block_n),
-                       jit.Swizzle.B128)
+        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (_row_stride(a) * a.element_size(),),
+                       (BLOCK_K, cfg.block_m), jit.Swizzle.B128)
+        map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (_row_stride(b) * b.element_size(),),
+                       (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
         map_sa = tm.get(torch.float32, sa.data_ptr(), (m, self.num_kb), (sa_stride * 4,),
                         (cfg.block_m, 1))
         # Output: 64-column chunks with the 128-byte swizzle, then the BLOCK_N % 64 tail plain
         # (the kernel ignores a map it has no columns for).
-        d_stride = (out.stride(0) * out.element_size(),)
+        d_stride = (_row_stride(out) * out.element_size(),)
         tail = cfg.block_n % 64
         map_d = tm.get(out.dtype, out.data_ptr(), (n, m), d_stride, (64, cfg.block_m),
                        jit.Swizzle.B128) if cfg.block_n >= 64 else None
@@ -272,13 +285,53 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
+def _row_stride(t: torch.Tensor) -> int:
+    """Row stride (elements) of a contiguous 2-D tensor for its tensor map.
+    NOTE: torch calls a tensor with one row contiguous whatever its row stride (a [1, K] view of
+    a wider buffer, an expanded row: stride 0); TMA reads one row then, so the packed stride is
+    used and the descriptor is the same for every such view."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def _tma_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy when its base address is not 16-byte aligned (a contiguous view
+    at an odd storage offset): TMA cannot address it, and `supports` sees only the problem, not
+    the pointers, so the backend copies (slow but correct, never an error)."""
+    return t if t.data_ptr() % TMA_ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _get_plan(problem: GemmProblem, device_index: int) -> _Plan:
+    # NOTE: keyed by ints, not the problem: hashing the frozen dataclass costs ~0.5 us per call,
+    # and supports() has already fixed every other field (dtypes, recipes: widen the key when
+    # supports() takes more than one).
+    pkey = (problem.m, problem.n, problem.k, device_index)
+    plan = _plans.get(pkey)
+    # A plan's grid depends on set_num_sms: rebuild it when the override changed since.
+    if plan is None or plan.sm_override != _SmCount.override:
+        plan = _plans[pkey] = _Plan(problem, device_index)
+    return plan
+
+
+def _launch(plan: _Plan, device_index: int, pack: jit.ParamPack) -> None:
+    """Launch on the current torch stream of the tensors' device."""
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    # NOTE: a CUkernel launched on a special stream (torch's default stream is NULL) runs in the
+    # thread's *current* context (cuda.h, cuLaunchKernelEx), not the one of the tensors' device:
+    # make that device current when it is not (tensors on cuda:1, current device cuda:0).
+    if stream in _SPECIAL_STREAMS and torch._C._cuda_getDevice() != device_index:
+        with torch.cuda.device(device_index):
+            plan.kernel.launch(plan.launch, stream, pack)
+    else:
+        plan.kernel.launch(plan.launch, stream, pack)
+
+
 def _kernel_a_scales(sa: torch.Tensor, m: int) -> torch.Tensor:
     """A scales [M, kb] in the kernel's layout: column-major, column stride a multiple of 4 floats
     (TMA's 16-byte rule), 16-byte aligned base. Returns sa itself when it already is (what
     quantize_per_token emits), else a converted copy."""
     s0, s1 = sa.stride()
     if ((s0 == 1 or m == 1) and (s1 % 4 == 0 and s1 >= m or sa.shape[1] == 1)
-            and sa.data_ptr() % 16 == 0):
+            and sa.data_ptr() % TMA_ALIGN == 0):
         return sa
     kb = sa.shape[1]
     buf = torch.empty((kb, align(m, 4)), dtype=torch.float32, device=sa.device)
@@ -292,20 +345,26 @@ def fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Te
     """out[M, N] = (a * sa) @ (b * sb)^T for a problem `supports` accepted; inputs as the backend
     contract hands them over (a, b, out contiguous; scales float32, any strides)."""
     device_index = a.device.index
-    # NOTE: keyed by ints, not the problem: hashing the frozen dataclass costs ~0.5 us per call,
-    # and supports() has already fixed every other field.
-    pkey = (problem.m, problem.n, problem.k, device_index)
-    plan = _plans.get(pkey)
-    if plan is None:
-        plan = _plans[pkey] = _Plan(problem, device_index)
+    plan = _get_plan(problem, device_index)
     sa = _kernel_a_scales(sa, problem.m)
     if not sb.is_contiguous():
         sb = sb.contiguous()
-    key = (a.data_ptr(), sa.data_ptr(), sa.stride(1), b.data_ptr(), sb.data_ptr(), out.data_ptr())
+    a_ptr, b_ptr, out_ptr, dst = a.data_ptr(), b.data_ptr(), out.data_ptr(), out
+    if (a_ptr | b_ptr | out_ptr) % TMA_ALIGN:
+        # A contiguous view at an odd storage offset: TMA cannot address it (slow path, copies).
+        a, b = _tma_aligned(a), _tma_aligned(b)
+        if out_ptr % TMA_ALIGN:
+            dst = torch.empty_like(out, memory_format=torch.contiguous_format)
+        a_ptr, b_ptr, out_ptr = a.data_ptr(), b.data_ptr(), dst.data_ptr()
+    # NOTE: with a, b and dst contiguous and the plan fixing (M, N, K), these pointers and sa's
+    # column stride are all the descriptors depend on (one-row strides: see _row_stride).
+    key = (a_ptr, sa.data_ptr(), sa.stride(1), b_ptr, sb.data_ptr(), out_ptr)
     pack = plan.packs.get(key)
     if pack is None:
-        pack = plan.params(a, sa, b, sb, out, key)
-    plan.kernel.launch(plan.launch, torch._C._cuda_getCurrentRawStream(device_index), pack)
+        pack = plan.params(a, sa, b, sb, dst, key)
+    _launch(plan, device_index, pack)
+    if dst is not out:
+        out.copy_(dst)
 
 
 def supports(problem: GemmProblem) -> str | None:
@@ -324,6 +383,10 @@ def supports(problem: GemmProblem) -> str | None:
         return f"TMA needs K % 16 == 0 (16-byte rows of A and B), got K={problem.k}"
     if problem.n % 8:
         return f"TMA needs N % 8 == 0 (16-byte rows of bf16 output), got N={problem.n}"
-    if problem.m >= 2 ** 31 or problem.n >= 2 ** 31 or problem.k >= 2 ** 31:
+    if problem.m == 0 or problem.n == 0 or problem.k == 0:
+        return f"nothing to launch for M={problem.m} N={problem.n} K={problem.k}"
+    if problem.k > MAX_K:
+        return f"the sm90 kernel keeps K/128 B scales on chip: K <= {MAX_K}, got K={problem.k}"
+    if problem.m >= 2 ** 31 or problem.n >= 2 ** 31:
         return "dimensions must fit in int32 TMA coordinates"
     return None

@@ -198,10 +198,4 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_addr(ptr)), "r"(value) : "memory");
 }
 
-__device__ __forceinline__ float ld_shared_f32(const void* ptr) {
-  float value;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(value) : "r"(smem_addr(ptr)) : "memory");
-  return value;
-}
-
 }  // namespace fp8gemm
