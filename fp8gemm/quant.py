@@ -57,8 +57,8 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float)
 def _triton_quant(x: torch.Tensor):
     """The Triton quantisation kernels for a CUDA tensor (one pass over x), else None: the torch
     code below, which is also their specification."""
-    if x.device.type != "cuda" or x.numel() == 0:
-        return None
+    if x.device.type != "cuda" or x.numel() == 0 or x.dtype == torch.float64:
+        return None  # (the kernels read bf16, fp16 and fp32)
     from .backends import get_backend
 
     triton = get_backend("triton")

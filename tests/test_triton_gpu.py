@@ -240,6 +240,27 @@ def test_masked_deepseek(tb, groups, mmax, n, k):
             assert calc_diff(out[gi, :rows], ref[gi, :rows]) < BF16_DIFF
 
 
+def test_masked_a_scales_token_major(tb):
+    """Masked A scales stored token-major ([Mmax, G, kb] in memory, viewed as [G, Mmax, kb]):
+    the last m tile of group 1 runs past Mmax, where rows' scales would lie outside the tensor.
+    Results stay right; that such rows are not read is checked on the CPU with guard pages
+    (test_triton_interp.py::test_no_access_outside_tensors)."""
+    groups, mmax, n, k = 4, 200, 4096, 7168
+    a, sa, b, sb = _masked_setup(groups, mmax, n, k, 51)
+    sa = sa.transpose(0, 1).contiguous().transpose(0, 1)
+    masked_m = torch.tensor([200, 199, 130, 0], dtype=torch.int32, device="cuda")
+    prob = problem(GemmKind.MASKED, mmax, n, k, groups, a, b, GRP, BLK, torch.bfloat16,
+                   expected_m=128)
+    out = torch.full((groups, mmax, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tb.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, prob)
+    torch.cuda.synchronize()
+    ref = _ref(a, sa, GRP, b, sb, BLK, grouped=True)
+    for gi, rows in enumerate([200, 199, 130, 0]):
+        assert out[gi, rows:].isnan().all()
+        if rows:
+            assert calc_diff(out[gi, :rows], ref[gi, :rows]) < BF16_DIFF
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs
 
@@ -328,6 +349,22 @@ def test_quant_kernels_match_torch(tb, fmt, pow2):
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
     st = _steps(q, q_ref.view(t, i))
     assert int(st.max()) <= 1 and float((st > 0).float().mean()) < 1e-3
+
+
+def test_quantize_batch_past_grid_limit(tb):
+    """[70000, 4, 256]: more matrices than a grid's z dimension takes (65535); each is quantised
+    as its own 2-D call would be, the last ones included."""
+    from fp8gemm.backends.triton import quant
+
+    x = (torch.randn(70000, 4, 256, device="cuda") * 3).to(torch.bfloat16)
+    q, s = quant.quantize_per_token(x)
+    q2, s2 = quant.quantize_per_token(x.reshape(-1, 256), col_major_scales=False)
+    assert torch.equal(q.view(torch.uint8).reshape(-1, 256), q2.view(torch.uint8))
+    assert torch.equal(s.reshape(-1, 2), s2)
+    qb, sbk = quant.quantize_per_block(x)
+    for i in (0, 65535, 69999):
+        q1, s1 = quant.quantize_per_block(x[i])
+        assert torch.equal(qb[i].view(torch.uint8), q1.view(torch.uint8)) and torch.equal(sbk[i], s1)
 
 
 def test_quantized_end_to_end(tb):

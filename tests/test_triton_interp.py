@@ -11,7 +11,10 @@ does not own (padding rows, rows past masked_m, rows in no group) must still be 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import json
+import mmap
 import os
 import subprocess
 import sys
@@ -276,6 +279,181 @@ def test_grouped_formats(tb):
 
 
 # ---------------------------------------------------------------------------------------------
+# memory bounds, scale strides, group counts
+
+
+def _guarded(t: torch.Tensor, at: str) -> torch.Tensor:
+    """A copy of `t` (same shape and strides) in memory that touches a page nothing may access:
+    right after its last byte (at="end") or right before its first (at="start"). A kernel that
+    reads or writes past that edge crashes this process (SIGSEGV) instead of passing by luck."""
+    page = mmap.PAGESIZE
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0
+    nbytes = span * t.element_size()
+    pages = max(1, ceil_div(nbytes, page))
+    buf = mmap.mmap(-1, (pages + 2) * page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    for guard in (base, base + (pages + 1) * page):
+        if libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(page), 0) != 0:
+            pytest.skip(f"mprotect failed (errno {ctypes.get_errno()})")
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=pages * page, offset=page)
+    lo = pages * page - nbytes if at == "end" else 0
+    g = torch.as_strided(raw[lo:lo + nbytes].view(t.dtype), t.shape, t.stride())
+    g.copy_(t)
+    _GUARDED.append(buf)  # the mapping must outlive the tensor
+    return g
+
+
+_GUARDED: list = []
+
+
+def _strided_copy(t: torch.Tensor, perm) -> torch.Tensor:
+    """t's values in a tensor whose dims are laid out in memory in the order `perm` (outermost
+    first), e.g. perm = (1, 0, 2) for [G, M, kb] puts G between M and kb."""
+    inv = [perm.index(i) for i in range(t.dim())]
+    return t.permute(*perm).contiguous().permute(*inv)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages via mprotect")
+@pytest.mark.parametrize("at", ["end", "start"])
+@pytest.mark.parametrize("kind", [GemmKind.DENSE, GemmKind.CONTIGUOUS, GemmKind.OFFSETS,
+                                  GemmKind.MASKED], ids=lambda k: k.value)
+def test_no_access_outside_tensors(tb, kind, at):
+    """Every tensor the kernels get ends (or starts) at an inaccessible page. Masked A scales
+    have their G stride innermost ([Mmax, G, kb] in memory): a group's last m tile runs past
+    Mmax, and those rows' scales lie past the end of the tensor (read before the fix)."""
+    gen = _gen(71)
+    cfg = _cfg(tb, split_k=2) if kind is GemmKind.DENSE else _cfg(tb)
+    ra, rb = Recipe.GROUP, Recipe.BLOCK
+    if kind is GemmKind.DENSE:
+        m, n, k = 75, 72, 300
+        a, sa, b, sb, ref = make_dense(m, n, k, ra, rb, CPU, col_major=True, gen=gen)
+        out, idx, own = _poisoned((m, n), torch.bfloat16), None, torch.ones(m, dtype=torch.bool)
+    elif kind is GemmKind.MASKED:
+        m = 70
+        a, sa, b, sb = _grouped_operands(m, ra, rb, seed=72, lead=G)
+        sa = _strided_copy(sa, (1, 0, 2))
+        idx = torch.tensor([m, 66, 5], dtype=torch.int32)  # groups 0 and 1: a tile past Mmax
+        own = torch.arange(m)[None, :] < idx[:, None]
+        ref = dequant_a(a, sa, ra) @ dequant_b(b, sb, rb, True).transpose(-1, -2)
+        out = _poisoned((G, m, N_G), torch.bfloat16)
+    else:
+        rows = torch.tensor([0] * 20 + [-1] * 5 + [2] * 30 + [1] * 20, dtype=torch.int32)
+        m = rows.numel()
+        a, sa, b, sb = _grouped_operands(m, ra, rb, seed=73)
+        if kind is GemmKind.CONTIGUOUS:
+            idx = rows
+        else:
+            idx = torch.tensor([0, 20, 20, 70], dtype=torch.int32)
+            rows = torch.full((m,), -1, dtype=torch.int32)
+            for g in range(G):
+                rows[idx[g]:idx[g + 1]] = g
+        ref = ref_grouped_rows(a, sa, ra, b, sb, rb, rows)
+        own = rows >= 0
+        out = _poisoned((m, N_G), torch.bfloat16)
+    groups = 1 if kind is GemmKind.DENSE else G
+    prob = problem(kind, a.shape[-2], b.shape[-2], a.shape[-1], groups, a, b, ra, rb,
+                   torch.bfloat16)
+    ga, gsa, gb, gsb, gout = (_guarded(t, at) for t in (a, sa, b, sb, out))
+    gidx = None if idx is None else _guarded(idx, at)
+    _launch(tb, prob, cfg, ga, gsa, gb, gsb, gout, idx=gidx)
+    assert gout[~own].isnan().all(), "rows it does not own were written"
+    _check(gout[own], ref[own], torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", [GemmKind.CONTIGUOUS, GemmKind.OFFSETS, GemmKind.MASKED],
+                         ids=lambda k: k.value)
+@pytest.mark.parametrize("ra,rb", [(Recipe.GROUP, Recipe.BLOCK), (Recipe.ROW, Recipe.GROUP),
+                                   (Recipe.GROUP, Recipe.TENSOR), (Recipe.ROW, Recipe.ROW)],
+                         ids=["1x128/128x128", "row/1x128", "1x128/tensor", "row/row"])
+def test_grouped_scales_any_strides(tb, kind, ra, rb):
+    """[G]-leading B scales with G innermost in memory, per-tensor [G] scales broadcast from one
+    value (stride 0), masked A scales with G innermost, per-row scales every other element."""
+    masked = kind is GemmKind.MASKED
+    m = 70 if masked else 75
+    a, sa, b, sb = _grouped_operands(m, ra, rb, seed=74, lead=G if masked else None)
+    if rb is Recipe.TENSOR:
+        sb = sb[:1].expand(G)
+    elif rb is Recipe.ROW:
+        sb = _strided_copy(sb, (1, 0))
+    else:
+        sb = _strided_copy(sb, (1, 2, 0))
+    if ra is Recipe.ROW:
+        sa = torch.stack([sa, torch.full_like(sa, float("nan"))], -1)[..., 0]  # stride 2
+    elif masked:
+        sa = _strided_copy(sa, (2, 1, 0))
+    if masked:
+        idx = torch.tensor([70, 0, 33], dtype=torch.int32)
+        own = torch.arange(m)[None, :] < idx[:, None]
+        ref = dequant_a(a, sa, ra) @ dequant_b(b, sb, rb, True).transpose(-1, -2)
+        out = _poisoned((G, m, N_G), torch.bfloat16)
+    else:
+        rows = torch.tensor([1] * 30 + [-1] * 3 + [0] * 2 + [2] * 40, dtype=torch.int32)
+        idx = rows if kind is GemmKind.CONTIGUOUS else torch.tensor([0, 2, 30, 75], dtype=torch.int32)
+        if kind is GemmKind.OFFSETS:
+            rows = torch.repeat_interleave(torch.arange(G, dtype=torch.int32), idx.diff())
+        ref = ref_grouped_rows(a, sa, ra, b, sb, rb, rows)
+        own = rows >= 0
+        out = _poisoned((m, N_G), torch.bfloat16)
+    prob = problem(kind, m, N_G, K_G, G, a, b, ra, rb, torch.bfloat16, expected_m=40 if masked else 0)
+    _launch(tb, prob, _cfg(tb, block_n=128), a, sa, b, sb, out, idx=idx)
+    assert out[~own].isnan().all()
+    _check(out[own], ref[own], torch.bfloat16)
+
+
+def test_dense_scales_any_strides(tb):
+    """B 128x128 and 1x128 scales column-major, A per-row scales every other element."""
+    m, n, k = 37, 200, 320
+    for ra, rb in [(Recipe.ROW, Recipe.BLOCK), (Recipe.GROUP, Recipe.GROUP)]:
+        a, sa, b, sb, _ = make_dense(m, n, k, ra, rb, CPU, gen=_gen(75))
+        sb = sb.t().contiguous().t()
+        if ra is Recipe.ROW:
+            sa = torch.stack([sa, torch.full_like(sa, float("nan"))], -1)[..., 0]
+        ref = dequant_a(a, sa, ra) @ dequant_b(b, sb, rb, False).T
+        prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, ra, rb, torch.bfloat16)
+        out = _poisoned((m, n), torch.bfloat16)
+        tb.fp8_gemm_nt(a, sa, b, sb, out, None, prob)
+        _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_group_table_sizes(tb, groups):
+    """Offsets and masked with G a power of two (the group table is exactly G wide) and G = 1."""
+    gen = _gen(76)
+    n, k, mmax = 40, 130, 50
+    b = rand_fp8((groups, n, k), E4M3, CPU, gen)
+    sb = b_scales(Recipe.BLOCK, n, k, CPU, groups=groups, gen=gen)
+    bd = dequant_b(b, sb, Recipe.BLOCK, True)
+    # masked
+    a = rand_fp8((groups, mmax, k), E4M3, CPU, gen)
+    sa = a_scales(Recipe.GROUP, mmax, k, CPU, lead=groups, gen=gen)
+    masked_m = torch.tensor([50, 1, 0, 37][:groups], dtype=torch.int32)
+    prob = problem(GemmKind.MASKED, mmax, n, k, groups, a, b, Recipe.GROUP, Recipe.BLOCK,
+                   torch.float32)
+    out = _poisoned((groups, mmax, n), torch.float32)
+    tb.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, prob)
+    ad = dequant_a(a, sa, Recipe.GROUP)
+    for g in range(groups):
+        rows = int(masked_m[g])
+        assert out[g, rows:].isnan().all()
+        if rows:
+            _check(out[g, :rows], ad[g, :rows] @ bd[g].T, torch.float32)
+    # offsets
+    sizes = [20, 7, 0, 33][:groups]
+    offsets = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32)
+    m = int(offsets[-1])
+    a = rand_fp8((m, k), E4M3, CPU, gen)
+    sa = a_scales(Recipe.GROUP, m, k, CPU, gen=gen)
+    rows = torch.repeat_interleave(torch.arange(groups, dtype=torch.int32), torch.tensor(sizes))
+    ref = ref_grouped_rows(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK, rows)
+    prob = problem(GemmKind.OFFSETS, m, n, k, groups, a, b, Recipe.GROUP, Recipe.BLOCK,
+                   torch.float32)
+    out = _poisoned((m, n), torch.float32)
+    tb.m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, prob)
+    _check(out, ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
 # quantisation
 
 
@@ -337,6 +515,40 @@ def test_quantize_batched(tb):
         assert torch.equal(s1, s[i]) and torch.equal(q1.view(torch.uint8), q[i].view(torch.uint8))
         q1, s1 = tb.quant.quantize_per_block(x[i], "e5m2", pow2_scales=True)
         assert torch.equal(s1, sb[i]) and torch.equal(q1.view(torch.uint8), qb[i].view(torch.uint8))
+
+
+def test_quantize_batch_past_grid_limit(tb, monkeypatch):
+    """Batches beyond the grid's z limit (65535 on CUDA) launch in slices; here the limit is set
+    to 2 so that [5, M, K] takes three launches, with the same results as one."""
+    x = (torch.randn(5, 9, 200, generator=_gen(66)) * 4).to(torch.bfloat16)
+    want = [tb.quant.quantize_per_token(x), tb.quant.quantize_per_token(x, col_major_scales=False),
+            tb.quant.quantize_per_block(x)]
+    monkeypatch.setattr(tb.quant, "_MAX_GRID_Z", 2)
+    got = [tb.quant.quantize_per_token(x), tb.quant.quantize_per_token(x, col_major_scales=False),
+           tb.quant.quantize_per_block(x)]
+    for (q0, s0), (q1, s1) in zip(want, got):
+        assert s1.stride() == s0.stride() and torch.equal(s1, s0)
+        assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8))
+
+
+def test_quantize_k_offsets_past_2_31(tb):
+    """x strided along K by 2^24 + 3 elements (as a transposed view of a tensor of more than
+    2^31 elements is): K offsets overflowed 32 bits and the kernels read outside x. The storage
+    is an 8.6 GB sparse mapping of which only x's 512 elements are touched."""
+    stride, k = (1 << 24) + 3, 256
+    n = (k - 1) * stride + 2
+    try:
+        buf = mmap.mmap(-1, n * 2)
+    except (OSError, OverflowError) as e:
+        pytest.skip(f"cannot map {n * 2} bytes: {e}")
+    _GUARDED.append(buf)
+    x = torch.as_strided(torch.frombuffer(buf, dtype=torch.bfloat16, count=n), (2, k), (1, stride))
+    x.copy_((torch.randn(2, k, generator=_gen(67)) * 3).to(torch.bfloat16))
+    xc = x.contiguous()
+    for fn in (tb.quant.quantize_per_token, tb.quant.quantize_per_block,
+               tb.quant.silu_mul_quantize_per_token):
+        (q, s), (q0, s0) = fn(x), fn(xc)
+        assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["scale", "pow2"])
@@ -465,3 +677,115 @@ def test_autotune_cache_roundtrip(tb, tmp_path, monkeypatch):
     assert (tmp_path / "triton_autotune.json").exists()
     with pytest.raises(ValueError):
         cfgmod.GemmConfig.from_json({"block_m": 64})
+
+
+def test_config_rejects_what_the_kernel_cannot_run(tb, tmp_path, monkeypatch):
+    """A K tile other than one scale block (128) would index K-varying scales wrongly: such a
+    config cannot be built, and an autotune-cache entry holding one is ignored."""
+    cfgmod = tb.config
+    for bad in (dict(block_k=64), dict(block_m=48), dict(split_k=0), dict(num_programs=0)):
+        with pytest.raises(ValueError, match="invalid GemmConfig"):
+            _cfg(tb, **bad)
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cfgmod, "_tuned", None)
+    facts = cfgmod.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    prob = problem(GemmKind.DENSE, 64, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    entry = dict(cfgmod.choose_config(prob, facts).to_json(), block_k=64)
+    (tmp_path / "triton_autotune.json").write_text(json.dumps({cfgmod._key(prob, facts): entry}))
+    assert cfgmod.load_tuned(prob, facts) is None
+
+
+def test_autotune_key_has_sm_count(tb, tmp_path, monkeypatch):
+    """A config tuned for 132 SMs (its persistent grid) is not used under set_num_sms(100)."""
+    cfgmod = tb.config
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cfgmod, "_tuned", None)
+    facts = cfgmod.DeviceFacts(**H200)
+    capped = dataclasses.replace(facts, num_sms=100)
+    a = torch.zeros(1, dtype=E4M3)
+    prob = problem(GemmKind.DENSE, 64, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    cfgmod.store_tuned(prob, facts, cfgmod.choose_config(prob, facts))
+    assert cfgmod.load_tuned(prob, facts) is not None
+    assert cfgmod.load_tuned(prob, capped) is None
+    assert cfgmod.choose_config(prob, capped).num_programs <= 100
+
+
+def _store_entries(cache_dir: str, first: int, count: int) -> None:
+    os.environ["FP8GEMM_CACHE_DIR"] = cache_dir
+    from fp8gemm.backends.triton import config as cfgmod
+
+    cfgmod._tuned = None
+    facts = cfgmod.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    for m in range(first, first + count):
+        prob = problem(GemmKind.DENSE, m, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                       torch.bfloat16)
+        cfgmod.store_tuned(prob, facts, cfgmod.choose_config(prob, facts))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_autotune_store_concurrent_processes(tb, tmp_path):
+    """Processes that store entries at the same time keep each other's (read-merge-write under a
+    lock file); without the lock, entries written between one process's read and its rename
+    were lost."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_store_entries, args=(str(tmp_path), 1 + 25 * i, 25))
+             for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    stored = json.loads((tmp_path / "triton_autotune.json").read_text())
+    assert len(stored) == 100
+
+
+def test_config_under_graph_capture_is_not_remembered(tb, monkeypatch):
+    """FP8GEMM_AUTOTUNE=1 and the first call of a problem inside a CUDA-graph capture (or one
+    without tensors, as a benchmark asking which config runs): the heuristic's config is used but
+    not kept, so the next eager call tunes (and keeps that)."""
+    facts = tb.config.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    prob = problem(GemmKind.DENSE, 33, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    tuned = tb.config.candidate_configs(prob, facts)[1]
+    capturing = [True]
+    monkeypatch.setenv("FP8GEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(tb, "device_facts", lambda device: facts)
+    monkeypatch.setattr(tb, "load_tuned", lambda p, f: None)
+    monkeypatch.setattr(tb, "store_tuned", lambda p, f, c: None)
+    monkeypatch.setattr(tb, "_autotune", lambda p, f, args: tuned)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda = torch.device("cuda", 0)
+    heuristic = tb.config.choose_config(prob, facts)
+    assert tb.get_config(prob, cuda, tune_args=()) == heuristic
+    assert (prob, facts) not in tb._configs
+    capturing[0] = False
+    assert tb.get_config(prob, cuda) == heuristic  # no tensors to time: not remembered either
+    assert (prob, facts) not in tb._configs
+    capturing[0] = False
+    assert tb.get_config(prob, cuda, tune_args=()) == tuned
+    assert tb._configs[(prob, facts)] == tuned
+
+
+def test_autotune_store_failure_is_not_fatal(tb, monkeypatch):
+    """A cache directory that cannot be written costs a warning (and a re-tune next process),
+    not the GEMM call."""
+    facts = tb.config.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    prob = problem(GemmKind.DENSE, 35, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    tuned = tb.config.candidate_configs(prob, facts)[1]
+
+    def read_only(p, f, c):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setenv("FP8GEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(tb, "device_facts", lambda device: facts)
+    monkeypatch.setattr(tb, "load_tuned", lambda p, f: None)
+    monkeypatch.setattr(tb, "store_tuned", read_only)
+    monkeypatch.setattr(tb, "_autotune", lambda p, f, args: tuned)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.warns(UserWarning, match="not stored"):
+        assert tb.get_config(prob, torch.device("cuda", 0), tune_args=()) == tuned

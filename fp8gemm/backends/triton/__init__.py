@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 import triton  # noqa: F401  (an ImportError here tells the backend registry Triton is missing)
@@ -69,11 +70,17 @@ def supports(problem: GemmProblem) -> str | None:
 
 _configs: dict[tuple[GemmProblem, DeviceFacts], GemmConfig] = {}
 _configs_lock = threading.Lock()
+# NOTE: problems are keyed by exact M, so a server with varying batch sizes meets many; the
+# configs are cheap to recompute (choose_config is cached too), so the table is simply cleared.
+_MAX_CONFIGS = 4096
 
 
 def get_config(problem: GemmProblem, device: torch.device, tune_args: tuple | None = None) -> GemmConfig:
     """The config this backend launches `problem` with on `device` (autotuned when enabled and
-    `tune_args` = (a, sa, b, sb, out, c, idx) are given; printed once with FP8GEMM_PRINT_CONFIGS)."""
+    `tune_args` = (a, sa, b, sb, out, c, idx) are given; printed once with FP8GEMM_PRINT_CONFIGS).
+    With autotuning on, a call that cannot tune (no tensors given, or under CUDA-graph capture)
+    gets a stored config or else the heuristic's, which is not remembered, so that the next
+    call with tensors, outside a capture, tunes the problem."""
     facts = device_facts(device)
     key = (problem, facts)
     cfg = _configs.get(key)
@@ -81,16 +88,26 @@ def get_config(problem: GemmProblem, device: torch.device, tune_args: tuple | No
         return cfg
     how = "heuristic"
     cfg = choose_config(problem, facts)
-    if settings.autotune and device.type == "cuda" and tune_args is not None \
-            and not torch.cuda.is_current_stream_capturing():
+    remember = True
+    if settings.autotune and device.type == "cuda":
         tuned = load_tuned(problem, facts)
         if tuned is not None:
             cfg, how = tuned, "autotune cache"
+        elif tune_args is None:
+            remember, how = False, "heuristic, not tuned: no tensors given"
+        elif torch.cuda.is_current_stream_capturing():
+            remember, how = False, "heuristic, not tuned under graph capture"
         else:
             cfg, how = _autotune(problem, facts, tune_args), "autotuned"
-            store_tuned(problem, facts, cfg)
-    with _configs_lock:
-        _configs[key] = cfg
+            try:
+                store_tuned(problem, facts, cfg)
+            except OSError as e:  # a read-only cache directory costs a re-tune, not the call
+                warnings.warn(f"fp8gemm: autotuned config not stored: {e}", stacklevel=2)
+    if remember:
+        with _configs_lock:
+            if len(_configs) >= _MAX_CONFIGS:
+                _configs.clear()
+            _configs[key] = cfg
     if settings.print_configs:
         print(f"[fp8gemm] triton {problem} -> {cfg} ({how}, {facts.name}, {facts.num_sms} SMs)",
               flush=True)

@@ -7,15 +7,24 @@ and stores the winner as JSON in FP8GEMM_CACHE_DIR.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import threading
 from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
 
 import torch
+import triton
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the autotune file is written without a cross-process lock
+    fcntl = None
 
 from ..._files import write_atomic
 from ..._settings import settings
+from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, ceil_div
 
 __all__ = ["DeviceFacts", "GemmConfig", "device_facts", "candidate_configs", "choose_config",
@@ -42,6 +51,10 @@ class DeviceFacts:
         return self.capability >= (9, 0)
 
 
+def _tile_side_ok(v: int) -> bool:
+    return v >= 16 and v & (v - 1) == 0
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """One launch of the GEMM kernel: tile, pipeline depth, split of K, grid size."""
@@ -56,6 +69,19 @@ class GemmConfig:
     use_tma: bool  # tensor descriptors for the A and B loads (sm_90+, 16-byte aligned rows)
     num_programs: int  # persistent grid size cap (programs loop over tiles)
     flatten: bool = False  # dense: one software pipeline across tiles (tl.range(flatten=True))
+
+    def __post_init__(self) -> None:
+        # NOTE: the kernel indexes K-varying scales by K tile, so a K tile must be one scale
+        # block; tile sides are powers of two of at least 16 (tl.dot, tl.arange).
+        bad = [f"{name}={getattr(self, name)}" for name, ok in (
+            ("block_m", _tile_side_ok(self.block_m)), ("block_n", _tile_side_ok(self.block_n)),
+            ("block_k", self.block_k == SCALE_BLOCK), ("group_m", self.group_m >= 1),
+            ("split_k", self.split_k >= 1), ("num_stages", self.num_stages >= 1),
+            ("num_warps", self.num_warps in (1, 2, 4, 8, 16)),
+            ("num_programs", self.num_programs >= 1)) if not ok]
+        if bad:
+            raise ValueError(f"invalid GemmConfig ({', '.join(bad)}): tiles must be powers of two "
+                             f">= 16 with BLOCK_K = {SCALE_BLOCK}, counts positive")
 
     def __str__(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
@@ -84,12 +110,15 @@ def device_facts(device: torch.device) -> DeviceFacts:
     if device.type != "cuda":
         return _INTERPRETER_FACTS
     facts = _cuda_facts(device.index if device.index is not None else torch.cuda.current_device())
-    from ...layout import _SmCount  # set_num_sms(n): persistent kernels use at most n SMs
-
-    cap = _SmCount.override
+    cap = _SmCount.override  # set_num_sms(n): persistent kernels use at most n SMs
     if cap is not None and cap < facts.num_sms:
-        facts = replace(facts, num_sms=cap)
+        facts = _capped(facts, cap)
     return facts
+
+
+@functools.lru_cache(maxsize=64)
+def _capped(facts: DeviceFacts, num_sms: int) -> DeviceFacts:
+    return replace(facts, num_sms=num_sms)  # once per cap, not per call
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,36 +289,44 @@ def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GemmConf
 
 
 # --------------------------------------------------------------------------------------------
-# Autotune cache: {"<device name>|triton <version>|<problem>": {config fields}} in one JSON file.
+# Autotune cache: {"<device>|sm<cc>|<SMs> SMs|triton <version>|<problem>": {config fields}} in
+# one JSON file per cache directory.
 
 _tuned_lock = threading.Lock()
-_tuned: dict[str, dict] | None = None
+_tuned: dict[str, dict[str, dict]] | None = None  # cache file path -> its entries, as last read
 
 
-def _cache_file():
+def _cache_file() -> Path:
     return settings.cache_dir / "triton_autotune.json"
 
 
 def _key(problem: GemmProblem, facts: DeviceFacts) -> str:
-    import triton
+    # NOTE: the SM count is part of the key: set_num_sms caps it, and a config's persistent grid
+    # (num_programs) is sized for it.
+    return (f"{facts.name}|sm{facts.capability[0]}{facts.capability[1]}|{facts.num_sms} SMs|"
+            f"triton {triton.__version__}|{problem}")
 
-    return f"{facts.name}|sm{facts.capability[0]}{facts.capability[1]}|triton {triton.__version__}|{problem}"
 
-
-def _read_all() -> dict[str, dict]:
-    global _tuned
-    if _tuned is None:
-        try:
-            data = json.loads(_cache_file().read_text())
-            _tuned = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            _tuned = {}
-    return _tuned
+def _read_file(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def load_tuned(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig | None:
+    """The stored config of `problem` on this device, or None. A miss re-reads the file (another
+    process may have tuned the problem since); invalid entries count as misses."""
+    global _tuned
+    key, path = _key(problem, facts), _cache_file()
     with _tuned_lock:
-        d = _read_all().get(_key(problem, facts))
+        if _tuned is None:
+            _tuned = {}
+        entries = _tuned.get(str(path))
+        if entries is None or key not in entries:
+            entries = _tuned[str(path)] = _read_file(path)
+        d = entries.get(key)
     if d is None:
         return None
     try:
@@ -298,18 +335,30 @@ def load_tuned(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig | None:
         return None
 
 
-def store_tuned(problem: GemmProblem, facts: DeviceFacts, cfg: GemmConfig) -> None:
-    """Merge one entry into the JSON file; written atomically (temp file + rename), re-reading the
-    file first so concurrent processes lose at most their own last entry."""
-    global _tuned
-    with _tuned_lock:
-        path = _cache_file()
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive advisory lock on `path` + ".lock" across processes (POSIX; elsewhere none)."""
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            current = json.loads(path.read_text())
-            if not isinstance(current, dict):
-                current = {}
-        except (OSError, ValueError):
-            current = {}
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def store_tuned(problem: GemmProblem, facts: DeviceFacts, cfg: GemmConfig) -> None:
+    """Merge one entry into the JSON file: read, merge and write (atomically: temp file + rename)
+    under a lock file, so concurrent processes keep each other's entries."""
+    global _tuned
+    path = _cache_file()
+    with _tuned_lock, _file_lock(path):
+        current = _read_file(path)
         current[_key(problem, facts)] = cfg.to_json()
         write_atomic(path, json.dumps(current, indent=1, sort_keys=True).encode())
-        _tuned = current
+        if _tuned is None:
+            _tuned = {}
+        _tuned[str(path)] = current

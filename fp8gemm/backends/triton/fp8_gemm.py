@@ -4,10 +4,11 @@ D[m, n] = sum_k A[m, k] * B[g, n, k] * scale_a * scale_b (+ C[m, n]), FP32 accum
 
 One kernel body serves the four kinds; the kind, the recipes, split-K and the load path are
 compile-time constants. Contiguous GEMMs take a second, usually idle launch for tiles that hold
-rows of several groups; split-K GEMMs a second kernel that reduces the partial sums in order. The grid is persistent: each program walks output tiles in an L2-grouped
-order. For every K tile of 128 (one scale block) the tensor-core partial sum is promoted to the
-FP32 accumulator with its scales applied (two-level accumulation); when no scale varies along K
-(per-tensor / per-row recipes) the dot accumulates directly and Triton promotes every 128 of K
+rows of several groups; split-K GEMMs a second kernel that reduces the partial sums in order.
+The grid is persistent: each program walks output tiles in an L2-grouped order. For every K
+tile of 128 (one scale block) the tensor-core partial sum is promoted to the FP32 accumulator
+with its scales applied (two-level accumulation); when no scale varies along K (per-tensor /
+per-row recipes) the dot accumulates directly and Triton promotes every 128 of K
 (`max_num_imprecise_acc`), and the scales are applied once at the end.
 
 Kernel -> launch wrapper; tests in tests/test_triton_*.py, timings in scripts/triton_check.sh.
@@ -15,9 +16,12 @@ Kernel -> launch wrapper; tests in tests/test_triton_*.py, timings in scripts/tr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...problem import GemmKind, GemmProblem, Recipe, ceil_div
 from .config import GemmConfig
@@ -60,17 +64,20 @@ def _group_table(idx_ptr, G, M_A, MMAX, KIND: tl.constexpr, BLOCK_M: tl.constexp
 
 @triton.jit
 def _mma_tile(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr,
-              row0, g, n0, kb_lo, n_iters, k_blocks, M_A, N, K, MMAX,
+              row0, g, n0, kb_lo, n_iters, k_blocks, row_end, N, K, MMAX,
               stride_am, stride_bg, stride_bn,
               stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
               A_RECIPE: tl.constexpr, B_RECIPE: tl.constexpr, USE_TMA: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """FP32 accumulator of one [BLOCK_M, BLOCK_N] tile over K tiles kb_lo .. kb_lo + n_iters - 1,
-    scaled. K tiles at or past k_blocks (the short last split) load zeros and add nothing."""
+    scaled. K tiles at or past k_blocks (the short last split) load zeros and add nothing. Rows
+    at or past row_end are not read by the pointer loads (their results are not stored).
+    NOTE: offsets / masked pass the group's end, not A's: masked A scales [G, Mmax, ...] may have
+    any strides, so a row past Mmax of group g need not lie inside the scale tensor."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M_A
+    m_ok = offs_m < row_end
     n_ok = offs_n < N
     # scale rows: masked A scales are [G, Mmax(, kb)], others [M(, kb)] (MMAX = 0 there)
     sa_rows = sa_ptr + g * stride_sag + (offs_m - g * MMAX) * stride_sam
@@ -272,7 +279,7 @@ def _fp8_gemm_nt_kernel(
             row0 = start + (pid_m - tiles_before) * BLOCK_M
             offs_m = row0 + tl.arange(0, BLOCK_M)
             acc = _mma_tile(a_ptr, b_ptr, a_desc, b_desc, sa_ptr, sb_ptr,
-                            row0, g, n0, kb_lo, k_per_split, k_blocks, M_A, N, K, MMAX,
+                            row0, g, n0, kb_lo, k_per_split, k_blocks, end, N, K, MMAX,
                             stride_am, stride_bg, stride_bn,
                             stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
                             A_RECIPE, B_RECIPE, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -335,7 +342,8 @@ def _splitk_reduce_kernel(ws_ptr, out_ptr, c_ptr, M, N, stride_om, stride_on, st
 
 def _scale_strides(s: torch.Tensor, recipe: Recipe, lead: bool) -> tuple[int, int, int]:
     """(group, row, k) element strides of a normalised scale tensor; `lead` when it has a leading
-    [G] (grouped B, masked A). Per-tensor scales of grouped B are [G]: the group stride only."""
+    [G] (grouped B, masked A). Per-tensor scales of grouped B are [G]: the group stride only
+    (per-tensor A scales are [1] even for masked A; the kernel then reads only their first)."""
     st = list(s.stride())
     if recipe is Recipe.TENSOR:
         return (st[0] if lead else 0), 0, 0
@@ -348,6 +356,33 @@ def _scale_strides(s: torch.Tensor, recipe: Recipe, lead: bool) -> tuple[int, in
 def _tma_ok(t: torch.Tensor, k: int) -> bool:
     # NOTE: TMA needs 16-byte aligned base addresses and row strides (FP8: K % 16 == 0).
     return k % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_consts(problem: GemmProblem, cfg: GemmConfig, use_tma: bool,
+                   has_c: bool) -> tuple[int, dict, dict | None]:
+    """What the launches take from (problem, config) alone, computed once: the split count and
+    the keyword arguments (constexprs, warps, stages) of the main launch and of the contiguous
+    second launch (None for other kinds)."""
+    kind = problem.kind
+    split = cfg.split_k if kind is GemmKind.DENSE else 1
+    k_blocks = ceil_div(problem.k, cfg.block_k)
+    if split > 1 and ceil_div(k_blocks, ceil_div(k_blocks, split)) != split:
+        raise ValueError(f"split_k={split} leaves an empty K range for K={problem.k}, "
+                         f"BLOCK_K={cfg.block_k}")
+    # NOTE: the group table of offsets / masked is a [G_POW2] vector (G_POW2 >= G); other kinds
+    # do not build it, so they keep one value and do not compile once per group count.
+    table = kind in (GemmKind.OFFSETS, GemmKind.MASKED)
+    meta = dict(A_RECIPE=_RECIPE[problem.a_recipe], B_RECIPE=_RECIPE[problem.b_recipe],
+                USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, NUM_PROGRAMS=cfg.num_programs,
+                G_POW2=triton.next_power_of_2(max(problem.groups, 2)) if table else 2,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    main = dict(meta, KIND=_KIND[kind], HAS_C=has_c and split == 1, SPLIT_K=split,
+                FLATTEN=cfg.flatten and kind is GemmKind.DENSE)
+    second = (dict(meta, KIND=4, HAS_C=False, SPLIT_K=1, FLATTEN=False)
+              if kind is GemmKind.CONTIGUOUS else None)
+    return split, main, second
 
 
 def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torch.Tensor,
@@ -363,23 +398,19 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
     mmax = a.shape[1] if masked else 0
     if m_a == 0 or n == 0:
         return
-    split = cfg.split_k if kind is GemmKind.DENSE else 1
-    if split > 1 and ceil_div(ceil_div(k, cfg.block_k), ceil_div(ceil_div(k, cfg.block_k), split)) != split:
-        raise ValueError(f"split_k={split} leaves an empty K range for K={k}, BLOCK_K={cfg.block_k}")
+    use_tma = cfg.use_tma and _tma_ok(a, k) and _tma_ok(b, k)
+    split, main_meta, second_meta = _launch_consts(problem, cfg, use_tma, c is not None)
 
     sag, sam, sak = _scale_strides(sa, problem.a_recipe, masked)
     sbg, sbn, sbk = _scale_strides(sb, problem.b_recipe, grouped_b)
     stride_bg = n * k if grouped_b else 0
 
-    use_tma = cfg.use_tma and _tma_ok(a, k) and _tma_ok(b, k)
     a_desc = b_desc = None
     if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a2 = a.view(m_a, k)
-        b2 = b.view(-1, k)
-        a_desc = TensorDescriptor(a2, [m_a, k], [k, 1], [cfg.block_m, cfg.block_k])
-        b_desc = TensorDescriptor(b2, [b2.shape[0], k], [k, 1], [cfg.block_n, cfg.block_k])
+        a_desc = TensorDescriptor(a.view(m_a, k), [m_a, k], [k, 1], [cfg.block_m, cfg.block_k])
+        b_rows = b.numel() // k
+        b_desc = TensorDescriptor(b.view(b_rows, k), [b_rows, k], [k, 1],
+                                  [cfg.block_n, cfg.block_k])
 
     ws = None
     if split > 1:
@@ -387,25 +418,18 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
     c_arg = c if c is not None else out
     stride_cm, stride_cn = (c.stride(0), c.stride(1)) if c is not None else (0, 0)
     out2 = out.view(m_a, n)
-    idx_arg = idx if idx is not None else sa
-    g_pow2 = triton.next_power_of_2(max(groups + 1, 2))
+    idx_arg = idx if idx is not None else sa  # unused by dense: any pointer
 
     args = (a, b, a_desc, b_desc, out2, c_arg, ws if ws is not None else out2, sa, sb, idx_arg,
             m_a, n, k, groups, mmax,
             k, stride_bg, k,
             out2.stride(0), out2.stride(1), stride_cm, stride_cn,
             sag, sam, sak, sbg, sbn, sbk)
-    meta = dict(A_RECIPE=_RECIPE[problem.a_recipe], B_RECIPE=_RECIPE[problem.b_recipe],
-                USE_TMA=use_tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m, NUM_PROGRAMS=cfg.num_programs, G_POW2=g_pow2,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _fp8_gemm_nt_kernel[(cfg.num_programs,)](
-        *args, KIND=_KIND[kind], HAS_C=c is not None and split == 1, SPLIT_K=split,
-        FLATTEN=cfg.flatten and kind is GemmKind.DENSE, **meta)
-    if kind is GemmKind.CONTIGUOUS:
+    grid = (cfg.num_programs,)
+    _fp8_gemm_nt_kernel[grid](*args, **main_meta)
+    if second_meta is not None:
         # the further groups of m tiles that hold rows of several groups (see KIND == 4)
-        _fp8_gemm_nt_kernel[(cfg.num_programs,)](*args, KIND=4, HAS_C=False, SPLIT_K=1,
-                                                 FLATTEN=False, **meta)
+        _fp8_gemm_nt_kernel[grid](*args, **second_meta)
     if split > 1:
         bm, bn = 32, 128
         _splitk_reduce_kernel[(ceil_div(m_a, bm), ceil_div(n, bn))](

@@ -148,6 +148,16 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-2:])
 
 
+# NOTE: the batch is the grid's z dimension, which CUDA caps at 65535: larger batches launch in
+# slices of at most this many matrices.
+_MAX_GRID_Z = 65535
+
+
+def _batch_slices(batch: int):
+    for lo in range(0, batch, _MAX_GRID_Z):
+        yield slice(lo, min(batch, lo + _MAX_GRID_Z))
+
+
 def _token_scales(lead, m: int, kb: int, col_major: bool, device) -> torch.Tensor:
     if col_major:
         # NOTE: [..., M, kb] with the M stride 1 and each K block's column padded to 16 bytes:
@@ -157,8 +167,17 @@ def _token_scales(lead, m: int, kb: int, col_major: bool, device) -> torch.Tenso
     return torch.empty((*lead, m, kb), dtype=torch.float32, device=device)
 
 
+def _k_offsets_fit(x: torch.Tensor) -> bool:
+    """Whether the kernels' 32-bit offsets along K (k * stride) reach all of x's last dim.
+    NOTE: row and batch offsets are 64-bit; K offsets pass 2^31 only for a view whose last dim
+    is strided by the size of a > 2^31-element tensor (a transposed one): such x is copied."""
+    return (x.shape[-1] - 1) * x.stride(-1) < 2**31
+
+
 def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
     dtype = _fmt(fmt)
+    if not _k_offsets_fit(x):
+        x = x.contiguous()
     lead, m = tuple(x.shape[:-2]), x.shape[-2]
     kb = ceil_div(k, GROUP)
     q = torch.empty((*lead, m, k), dtype=dtype, device=x.device)
@@ -167,11 +186,14 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
         return q, s
     x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
     block_m = 32
-    _quant_rows_kernel[(ceil_div(m, block_m), kb, x3.shape[0])](
-        x3, q3, s3, m, k, silu_i, x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0),
-        q3.stride(1), s3.stride(0), s3.stride(1), s3.stride(2),
-        SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **_fmt_meta(dtype),
-        BLOCK_M=block_m, GROUP_K=GROUP, num_warps=4)
+    meta = _fmt_meta(dtype)
+    for bs in _batch_slices(x3.shape[0]):
+        xb, qb, sb = x3[bs], q3[bs], s3[bs]
+        _quant_rows_kernel[(ceil_div(m, block_m), kb, xb.shape[0])](
+            xb, qb, sb, m, k, silu_i, xb.stride(0), xb.stride(1), xb.stride(2), qb.stride(0),
+            qb.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
+            SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **meta,
+            BLOCK_M=block_m, GROUP_K=GROUP, num_warps=4)
     return q, s
 
 
@@ -201,6 +223,8 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     [..., ceil(N/128), ceil(K/128)] fp32 row-major, one per 128x128 block)."""
     _check_input("w", w)
     dtype = _fmt(fmt)
+    if not _k_offsets_fit(w):
+        w = w.contiguous()
     lead, (n, k) = tuple(w.shape[:-2]), w.shape[-2:]
     q = torch.empty((*lead, n, k), dtype=dtype, device=w.device)
     s = torch.empty((*lead, ceil_div(n, GROUP), ceil_div(k, GROUP)), dtype=torch.float32,
@@ -208,8 +232,11 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     if q.numel() == 0:
         return q, s
     w3, q3, s3 = _as_3d(w), _as_3d(q), _as_3d(s)
-    _quant_block_kernel[(s3.shape[1], s3.shape[2], w3.shape[0])](
-        w3, q3, s3, n, k, w3.stride(0), w3.stride(1), w3.stride(2), q3.stride(0), q3.stride(1),
-        s3.stride(0), s3.stride(1), s3.stride(2),
-        POW2=bool(pow2_scales), BLOCK=GROUP, num_warps=8, **_fmt_meta(dtype))
+    meta = _fmt_meta(dtype)
+    for bs in _batch_slices(w3.shape[0]):
+        wb, qb, sb = w3[bs], q3[bs], s3[bs]
+        _quant_block_kernel[(sb.shape[1], sb.shape[2], wb.shape[0])](
+            wb, qb, sb, n, k, wb.stride(0), wb.stride(1), wb.stride(2), qb.stride(0), qb.stride(1),
+            sb.stride(0), sb.stride(1), sb.stride(2),
+            POW2=bool(pow2_scales), BLOCK=GROUP, num_warps=8, **meta)
     return q, s
