@@ -10,6 +10,9 @@ A backend is a module with:
     m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem) -> None
     m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem) -> None
 
+A backend defines the GEMM functions of the kinds its `supports` accepts; the others may be
+absent (the dispatcher never picks it for them).
+
 The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
 normalised shapes of `Recipe` (any strides), index tensors are contiguous int32, every tensor is
 on one device, and no dimension is zero. A backend writes only `out`; rows that belong to no group
@@ -30,8 +33,7 @@ __all__ = ["NAMES", "get_backend", "select_backend"]
 
 NAMES = ("cuda", "triton", "reference")
 _MODULES = {"cuda": ".cuda", "triton": ".triton", "reference": ".reference"}
-_CONTRACT = ("NAME", "is_available", "supports", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous",
-             "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked")
+_CONTRACT = ("NAME", "is_available", "supports")
 _loaded: dict[str, ModuleType | None] = {}
 _load_errors: dict[str, str] = {}
 _chosen: dict[tuple, ModuleType] = {}

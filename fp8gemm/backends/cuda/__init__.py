@@ -13,8 +13,7 @@ import torch
 from ...problem import GemmProblem
 from . import sm90_fp8_gemm
 
-__all__ = ["NAME", "is_available", "supports", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous",
-           "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked"]
+__all__ = ["NAME", "is_available", "supports", "fp8_gemm_nt"]
 
 NAME = "cuda"
 
@@ -55,15 +54,3 @@ def fp8_gemm_nt(a, sa, b, sb, out, c, problem: GemmProblem) -> None:
     if c is not None:
         raise ValueError("the CUDA backend has no C input yet (supports() refuses has_c)")
     sm90_fp8_gemm.fp8_gemm_nt(a, sa, b, sb, out, problem)
-
-
-def m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, m_indices, problem: GemmProblem) -> None:
-    raise NotImplementedError("grouped GEMMs are not in the CUDA backend yet (supports() refuses them)")
-
-
-def m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem: GemmProblem) -> None:
-    raise NotImplementedError("grouped GEMMs are not in the CUDA backend yet (supports() refuses them)")
-
-
-def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProblem) -> None:
-    raise NotImplementedError("grouped GEMMs are not in the CUDA backend yet (supports() refuses them)")
