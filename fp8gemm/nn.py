@@ -13,7 +13,8 @@ from torch import nn
 
 from . import quant
 from . import torch_ops  # noqa: F401  (registers torch.ops.fp8gemm)
-from .moe import moe_combine_masked, moe_dispatch_masked
+from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_contiguous,
+                  moe_dispatch_masked)
 
 __all__ = ["Fp8Linear", "Fp8MoE"]
 
@@ -83,7 +84,8 @@ class Fp8MoE(nn.Module):
         y[t] = sum_k topk_weights[t, k] * W2[e] . (silu(W1[e] x) * W3[e] x),  e = topk_ids[t, k]
 
     w13 [G, 2*I, H] (W1 rows then W3 rows) and w2 [G, H, I], each quantised per 128x128 block.
-    Uses the masked grouped GEMM (no host synchronisation; CUDA-graph safe).
+    Runs the contiguous grouped GEMM (compact) or, while a CUDA graph is captured, the masked
+    one (no host synchronisation); `forward(layout=...)` picks explicitly.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, fmt: str = "e4m3",
@@ -111,16 +113,32 @@ class Fp8MoE(nn.Module):
             getattr(self, name).copy_(q)
             getattr(self, f"{name}_scale").copy_(s)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                layout: str = "auto", max_m: int | None = None,
                 expected_m: int | None = None) -> torch.Tensor:
         """x [T, H], topk_ids [T, topk] (ids outside [0, G) dropped), topk_weights [T, topk]
-        -> [T, H] in x's dtype."""
+        -> [T, H] in x's dtype.
+
+        layout: "masked" ([G, max_m, H] per-expert buffers, no host synchronisation: CUDA-graph
+        safe; max_m defaults to T, and slots past it are dropped), "contiguous" (rows grouped by
+        expert, padded to the kernels' M tile: compact, one host synchronisation to size it), or
+        "auto": masked while a CUDA graph is being captured, else contiguous.
+        """
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [T, {self.hidden}], got {list(x.shape)}")
-        lay = moe_dispatch_masked(x, topk_ids, self.num_experts)
-        t = x.shape[0]
-        em = expected_m if expected_m is not None else max(1, t * topk_ids.shape[1]
-                                                           // self.num_experts)
+        if layout == "auto":
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            layout = "masked" if capturing else "contiguous"
+        if layout == "masked":
+            return self._forward_masked(x, topk_ids, topk_weights, max_m, expected_m)
+        if layout == "contiguous":
+            return self._forward_contiguous(x, topk_ids, topk_weights)
+        raise ValueError(f"layout must be 'auto', 'masked' or 'contiguous', got {layout!r}")
+
+    def _forward_masked(self, x, topk_ids, topk_weights, max_m, expected_m):
+        lay = moe_dispatch_masked(x, topk_ids, self.num_experts, max_m)
+        em = expected_m if expected_m is not None else max(
+            1, x.shape[0] * topk_ids.shape[1] // self.num_experts)
         a, sa = _ops.quantize_per_token(lay.x, self.fmt)
         h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, self.w13, self.w13_scale, lay.masked_m,
                                                 em, torch.bfloat16)
@@ -128,3 +146,13 @@ class Fp8MoE(nn.Module):
         y = _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, self.w2, self.w2_scale, lay.masked_m, em,
                                               torch.bfloat16)
         return moe_combine_masked(y, lay, topk_weights).to(x.dtype)
+
+    def _forward_contiguous(self, x, topk_ids, topk_weights):
+        lay = moe_dispatch_contiguous(x, topk_ids, self.num_experts)
+        a, sa = _ops.quantize_per_token(lay.x, self.fmt)
+        h13 = _ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, self.w13, self.w13_scale, lay.m_indices,
+                                                    torch.bfloat16)
+        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt)
+        y = _ops.m_grouped_fp8_gemm_nt_contiguous(a2, sa2, self.w2, self.w2_scale, lay.m_indices,
+                                                  torch.bfloat16)
+        return moe_combine_contiguous(y, lay, topk_weights).to(x.dtype)

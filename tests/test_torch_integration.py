@@ -1,5 +1,6 @@
 """torch.library custom ops (fake implementations, torch.compile) and the nn modules."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -68,7 +69,8 @@ def test_fp8_linear_close_to_linear_and_compiles():
     assert torch.equal(torch.compile(m, backend="aot_eager", fullgraph=True)(x), y)
 
 
-def test_fp8_moe_matches_dense_per_token_computation():
+@pytest.mark.parametrize("layout", ["auto", "masked", "contiguous"])
+def test_fp8_moe_matches_dense_per_token_computation(layout):
     torch.manual_seed(0)
     g, h, i, t, topk = 4, 256, 192, 9, 2
     moe = Fp8MoE(g, h, i)
@@ -87,4 +89,15 @@ def test_fp8_moe_matches_dense_per_token_computation():
             hid = w13[e] @ x[tok]
             ref[tok] += wts[tok, j] * (w2[e] @ (F.silu(hid[:i]) * hid[i:]))
     # two fp8 layers and a bf16 intermediate: a few 1e-3 of quantisation error
-    assert fp8gemm.calc_diff(moe(x, ids, wts), ref) < 1e-2
+    assert fp8gemm.calc_diff(moe(x, ids, wts, layout=layout), ref) < 1e-2
+
+
+def test_fp8_moe_masked_capacity_and_bad_layout():
+    moe = Fp8MoE(2, 128, 128)
+    moe.load_weights(torch.randn(2, 256, 128) / 16, torch.randn(2, 128, 128) / 16)
+    x, wts = torch.randn(4, 128), torch.ones(4, 1)
+    ids = torch.zeros(4, 1, dtype=torch.int64)  # all four tokens to expert 0
+    y = moe(x, ids, wts, layout="masked", max_m=2)  # capacity 2: tokens 2 and 3 dropped
+    assert torch.equal(y[2:], torch.zeros_like(y[2:])) and bool(y[:2].abs().sum() > 0)
+    with pytest.raises(ValueError, match="^layout must be"):
+        moe(x, ids, wts, layout="dense")
