@@ -50,9 +50,6 @@ class TensorMap:
         self.address = (base + 63) // 64 * 64
         self.key = key
 
-    def raw(self) -> bytes:
-        return ctypes.string_at(self.address, 128)
-
 
 def encode_tiled(dtype: torch.dtype, address: int, dims: tuple[int, ...],
                  strides_bytes: tuple[int, ...], box: tuple[int, ...],
