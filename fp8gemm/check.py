@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import shutil
 import tempfile
 
 MIN_TRITON = (3, 2)  # first release whose tl.dot takes fp8 with the block-scaled recipe we use
@@ -22,15 +21,6 @@ def _line(ok: bool | None, what: str, detail: str, fix: str = "") -> bool:
     if fix and ok is not True:
         print(f"{'':<25} -> {fix}")
     return ok is not False
-
-
-def _nvrtc_version() -> str | None:
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return None
-    err, major, minor = nvrtc.nvrtcVersion()
-    return f"{major}.{minor}" if err == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
 
 
 def report() -> int:
@@ -70,13 +60,11 @@ def report() -> int:
     except ImportError:
         _line(None, "triton", "not installed: the Triton backend is off",
               "pip install 'fp8gemm[triton]'")
-    nvrtc = _nvrtc_version()
-    nvcc = shutil.which("nvcc") or next(
-        (p for p in (os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),)
-         if os.path.exists(p)), None)
-    _line(True if nvrtc else None, "NVRTC", f"cuda-bindings NVRTC {nvrtc}" if nvrtc else
-          "not found", "pip install 'fp8gemm[cuda]' (cuda-bindings + nvidia-cuda-nvrtc)")
-    _line(True if nvcc else None, "nvcc", nvcc or "not on PATH or in $CUDA_HOME/bin",
+    from .jit.compiler import nvcc_path, nvrtc_ident
+
+    nvrtc, nvcc = nvrtc_ident(), nvcc_path()
+    _line(True if nvrtc else None, "NVRTC", nvrtc or "not found", "pip install 'fp8gemm[cuda]' (cuda-bindings + nvidia-cuda-nvrtc)")
+    _line(True if nvcc else None, "nvcc", nvcc or "not on PATH, in $CUDA_HOME/bin or /usr/local/cuda",
           "only needed when NVRTC is missing (FP8GEMM_JIT_COMPILER=nvcc)")
     if hopper and not (nvrtc or nvcc):
         ok &= _line(False, "CUDA JIT", "no compiler for the CUDA backend",

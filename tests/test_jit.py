@@ -216,10 +216,10 @@ def test_cache_ident_covers_fixed_options_and_nvcc_env(monkeypatch):
     assert nvcc.cache_ident != plain
 
 
-def test_nvrtc_ident_names_the_loaded_library():
-    from fp8gemm.jit.compiler import _nvrtc_ident
+def testnvrtc_ident_names_the_loaded_library():
+    from fp8gemm.jit.compiler import nvrtc_ident
 
-    ident = _nvrtc_ident()
+    ident = nvrtc_ident()
     if ident is None:
         pytest.skip("no NVRTC here")
     if Path("/proc/self/maps").exists():

@@ -20,7 +20,7 @@ from .._settings import settings
 from . import elf
 
 __all__ = ["CompileError", "CompilerUnavailable", "CompiledCubin", "Compiler", "get_compiler",
-           "nvrtc_available", "nvcc_path"]
+           "nvrtc_available", "nvrtc_ident", "nvcc_path"]
 
 
 class CompileError(RuntimeError):
@@ -72,7 +72,8 @@ class Compiler:
 
 # --- NVRTC -----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
-def _nvrtc_ident() -> str | None:
+def nvrtc_ident() -> str | None:
+    """The NVRTC this process compiles with (version, wheel, loaded library), or None."""
     try:
         from cuda.bindings import nvrtc
     except ImportError:
@@ -119,7 +120,7 @@ def _loaded_library(stem: str) -> str:
 
 
 def nvrtc_available() -> bool:
-    return _nvrtc_ident() is not None
+    return nvrtc_ident() is not None
 
 
 def _nvrtc_check(nvrtc, result, prog=None, what: str = "") -> None:
@@ -233,7 +234,7 @@ def get_compiler(requested: str | None = None) -> Compiler:
     if requested not in ("auto", "nvrtc", "nvcc"):
         raise ValueError(f"FP8GEMM_JIT_COMPILER must be 'auto', 'nvrtc' or 'nvcc', got {requested!r}")
     if requested in ("auto", "nvrtc"):
-        ident = _nvrtc_ident()
+        ident = nvrtc_ident()
         if ident is not None:
             return Compiler("nvrtc", ident)
         if requested == "nvrtc":
