@@ -7,6 +7,8 @@ clamped to +-fmt_max, rounded to nearest in the fp8 format. Real value = q * sca
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -57,12 +59,21 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float)
 def _triton_quant(x: torch.Tensor):
     """The Triton quantisation kernels for a CUDA tensor (one pass over x), else None: the torch
     code below, which is also their specification."""
-    if x.device.type != "cuda" or x.numel() == 0 or x.dtype == torch.float64:
+    if not x.is_cuda or x.numel() == 0 or x.dtype == torch.float64:
         return None  # (the kernels read bf16, fp16 and fp32)
+    return _triton_kernels(x.device.index if x.device.index is not None
+                           else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_kernels(device_index: int):
+    """Triton's quantisation module where it runs on this GPU, else None. Looked up once per
+    device: this runs on every activation quantisation, and the answer cannot change within a
+    process (Triton picks its interpreter when first imported)."""
     from .backends import get_backend
 
     triton = get_backend("triton")
-    if triton is None or not triton.is_available(x.device):
+    if triton is None or not triton.is_available(torch.device("cuda", device_index)):
         return None
     from .backends.triton import quant as kernels
 
