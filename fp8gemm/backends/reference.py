@@ -58,14 +58,20 @@ def _rows_of_scale(sa, recipe, rows):
     return sa if recipe is Recipe.TENSOR else sa[rows]
 
 
+def _group_matmul_into(out, a, sa, b, sb, g: int, problem: GemmProblem) -> None:
+    """Rows of A (with their scales) against group g's B; B's scale taken in the dense shape."""
+    sbg = sb[g : g + 1] if problem.b_recipe is Recipe.TENSOR else sb[g]
+    _matmul_into(out, a, sa, b[g], sbg, problem)
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, m_indices, problem: GemmProblem) -> None:
     for g in range(problem.groups):
         rows = (m_indices == g).nonzero().flatten()
         if rows.numel() == 0:
             continue
-        sbg = sb[g : g + 1] if problem.b_recipe is Recipe.TENSOR else sb[g]
         tmp = out.new_empty(rows.numel(), problem.n)
-        _matmul_into(tmp, a[rows], _rows_of_scale(sa, problem.a_recipe, rows), b[g], sbg, problem)
+        _group_matmul_into(tmp, a[rows], _rows_of_scale(sa, problem.a_recipe, rows), b, sb, g,
+                           problem)
         out[rows] = tmp
 
 
@@ -76,9 +82,8 @@ def m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem: GemmProbl
         if end <= start:
             continue
         rows = slice(start, end)
-        sbg = sb[g : g + 1] if problem.b_recipe is Recipe.TENSOR else sb[g]
-        _matmul_into(out[rows], a[rows], _rows_of_scale(sa, problem.a_recipe, rows), b[g], sbg,
-                     problem)
+        _group_matmul_into(out[rows], a[rows], _rows_of_scale(sa, problem.a_recipe, rows), b, sb,
+                           g, problem)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProblem) -> None:
@@ -88,5 +93,4 @@ def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProbl
         if m == 0:
             continue
         sag = sa if problem.a_recipe is Recipe.TENSOR else sa[g, :m]
-        sbg = sb[g : g + 1] if problem.b_recipe is Recipe.TENSOR else sb[g]
-        _matmul_into(out[g, :m], a[g, :m], sag, b[g], sbg, problem)
+        _group_matmul_into(out[g, :m], a[g, :m], sag, b, sb, g, problem)
