@@ -29,6 +29,7 @@ from fp8gemm.backends.triton import config as tcfg  # noqa: E402
 from fp8gemm.backends.triton import quant as tquant  # noqa: E402
 from fp8gemm.backends.triton.fp8_gemm import launch_gemm  # noqa: E402
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E402
+from fp8gemm.quant import calc_diff  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEV = torch.device("cuda")
@@ -69,11 +70,6 @@ def eager_us(fn, calls: int = 50) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / calls * 1e6
-
-
-def calc_diff(x, y) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
 def rand_fp8(shape):

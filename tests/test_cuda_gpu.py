@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
+from helpers import calc_diff  # noqa: F401  (also imported from here by scripts/cuda_*.py)
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +28,6 @@ AWKWARD_SHAPES = [(1, 576, 320), (37, 576, 320), (130, 576, 320), (37, 200, 336)
 
 
 # --- helpers (shared with scripts/cuda_bench.py) --------------------------------------------------
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum().item()
-    return 0.0 if denom == 0.0 else 1.0 - 2.0 * (x * y).sum().item() / denom
-
-
 def random_scales(shape, device) -> torch.Tensor:
     return torch.exp2(torch.empty(shape, device=device).uniform_(-2.0, 2.0))
 
