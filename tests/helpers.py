@@ -191,3 +191,19 @@ def assert_close_diff(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
     d = calc_diff(out, ref)
     assert d < tol, f"{what}: calc_diff {d:.3e} >= {tol:.0e}"
     assert math.isfinite(d)
+
+
+# sm90 configs the heuristic may not pick for the suite, built directly by the tests: 2-CTA multicast
+# of A and of B, wide odd tiles, BLOCK_M 256 (two waves). (m, n, k, bm, bn, multicast, on_a)
+FORCED_CONFIGS = [
+    (512, 2048, 1024, 128, 128, 2, False),   # multicast of B: pairs share n_block
+    (512, 2048, 1024, 128, 128, 2, True),    # multicast of A: pairs share m_block
+    (768, 1088, 640, 128, 136, 2, True),     # 136 wide, tiles straddling B scale blocks
+    (300, 1280, 2048, 64, 160, 2, True),     # BLOCK_M 64, 160 wide, M tail
+    (4096, 576, 320, 128, 144, 2, False),
+    (1000, 2112, 7168, 256, 128, 1, False),  # BLOCK_M 256, M tail inside the second wave
+    (200, 1088, 640, 256, 136, 1, False),    # one 256 block, M tail inside the first wave
+    (1024, 2048, 1536, 256, 112, 2, False),  # BLOCK_M 256 with multicast of B
+    (768, 1536, 1024, 256, 64, 2, True),     # BLOCK_M 256 with multicast of A, 64 wide
+    (130, 576, 16384, 256, 96, 1, False),    # BLOCK_M 256, long K
+]

@@ -14,6 +14,7 @@ import torch
 
 from fp8gemm.backends.cuda import sm90_fp8_gemm as g
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
+from helpers import FORCED_CONFIGS
 
 E4M3 = torch.float8_e4m3fn
 H200 = g.DeviceFacts(num_sms=132, smem_per_block=232448, l2_bytes=60 * 2 ** 20)
@@ -65,10 +66,12 @@ def test_config_properties(m, n, k, facts):
     assert (cfg.num_stages == g.MAX_STAGES
             or g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages + 1, k) > facts.smem_per_block)
     # Tile shape the kernel accepts: wgmma N step 8, at most two B scale blocks per tile.
-    assert cfg.block_n % 8 == 0 and cfg.block_n in g.BLOCK_N_CHOICES and cfg.block_m in (64, 128)
+    assert cfg.block_n % 8 == 0 and cfg.block_n in g.BLOCK_N_CHOICES and cfg.block_m in (64, 128, 256)
+    # BLOCK_M 256 only with the widths that keep two FP32 sums in registers and pay off.
+    assert cfg.block_m != 256 or (cfg.block_n in g.BLOCK_N_CHOICES_256 and m > 128)
     low_bit = cfg.block_n & -cfg.block_n
     assert cfg.block_n <= 128 + min(low_bit, 128)
-    assert cfg.num_threads == cfg.block_m // 64 * 128 + 128
+    assert cfg.num_threads == (256 if cfg.block_m == 64 else 384)
     # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
@@ -98,15 +101,18 @@ def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
 
 
 def test_cost_model_matches_h200_measurements():
-    """Choices the H200 sweep (scripts/cuda_sweep.py, 2026-11-30) measured best or within 5 %."""
-    expect = {(4096, 7168, 16384): (128, 128), (4096, 4096, 7168): (128, 128),
-              (4096, 7168, 2048): (128, 128), (64, 2112, 7168): (64, 16),
+    """Choices the H200 measured best or within 5 % (scripts/cuda_sweep.py and, for BLOCK_M 256,
+    scripts/cuda_ab.py, 2026-11-30)."""
+    expect = {(4096, 7168, 16384): (256, 128), (4096, 4096, 7168): (256, 128),
+              (4096, 7168, 2048): (256, 128), (4096, 2112, 7168): (256, 136),
+              (4096, 32768, 512): (256, 128), (64, 2112, 7168): (64, 16),
               (128, 4096, 7168): (128, 32), (128, 24576, 1536): (128, 96)}
     for (m, n, k), tile in expect.items():
         cfg = g.select_config(problem(m, n, k), H200)
         assert (cfg.block_m, cfg.block_n) == tile, ((m, n, k), cfg)
-    # One math warpgroup is the slower tile at equal loads.
+    # One math warpgroup is the slower tile at equal loads; two waves the faster per FLOP.
     assert g.tile_cost(64, 128) > g.tile_cost(128, 64)
+    assert g.tile_cost(256, 128) < 2 * g.tile_cost(128, 128)
 
 
 def test_small_m_uses_every_sm():
@@ -224,17 +230,20 @@ def test_supports_refuses_zero_dims_and_k_past_the_checked_limit():
         assert isinstance(g.supports(problem(m, n, k)), str)
 
 
-@pytest.mark.parametrize("bm", [64, 128])
+@pytest.mark.parametrize("bm", [64, 128, 256])
 def test_widest_tiles_at_max_k_do_not_spill(bm, tmp_path, monkeypatch):
     """MAX_K is a checked limit: the widest tile at K = MAX_K still compiles without spills
     (its B scales live in shared memory and in registers, both growing with K)."""
     _compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    bn, k = max(g.BLOCK_N_CHOICES), g.MAX_K
+    k = g.MAX_K
+    # The widest tile of this height that fits shared memory at K = MAX_K.
+    bn = max(n for n in (g.BLOCK_N_CHOICES_256 if bm == 256 else g.BLOCK_N_CHOICES)
+             if g._stages(bm, n, k, H200.smem_per_block))
     stages = g._stages(bm, bn, k, H200.smem_per_block)
     assert stages >= g.MIN_STAGES
     cfg = g.Sm90GemmConfig(bm, bn, stages, 1, True, g.BAND_SIZE, 132,
-                           g.smem_bytes(bm, bn, stages, k), bm // 64 * 128 + 128)
+                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm))
     _, compiled, _, _ = g.compile_kernel(4096, k, cfg)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", compiled.log)]
     stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", compiled.log)]
@@ -323,13 +332,8 @@ def test_launch_makes_the_tensor_device_current_for_the_null_stream(stream, curr
 
 
 # The heuristic picks no multicast kernel for the suite; CI still compiles the ones the GPU test
-# `test_forced_configs` runs (2-CTA multicast of A and of B, wide odd tiles).
-FORCED = [(512, 2048, 1024, 128, 128, 2, False), (512, 2048, 1024, 128, 128, 2, True),
-          (768, 1088, 640, 128, 136, 2, True), (300, 1280, 2048, 64, 160, 2, True),
-          (4096, 576, 320, 128, 144, 2, False)]
-
-
-@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a", FORCED)
+# `test_forced_configs` runs (helpers.FORCED_CONFIGS).
+@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a", FORCED_CONFIGS)
 def test_forced_multicast_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, tmp_path,
                                                 monkeypatch):
     _compiler_or_skip()
@@ -337,7 +341,7 @@ def test_forced_multicast_configs_compile_clean(m, n, k, bm, bn, multicast, on_a
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
     stages = g._stages(bm, bn, k, H200.smem_per_block)
     cfg = g.Sm90GemmConfig(bm, bn, stages, multicast, on_a, g.BAND_SIZE, 132,
-                           g.smem_bytes(bm, bn, stages, k), bm // 64 * 128 + 128)
+                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm))
     _, compiled, _, _ = g.compile_kernel(n, k, cfg)
     path = tmp_path / "k.cubin"
     path.write_bytes(compiled.cubin)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import calc_diff  # noqa: F401  (also imported from here by scripts/cuda_*.py)
+from helpers import FORCED_CONFIGS, calc_diff  # noqa: F401  (calc_diff: also imported by scripts/cuda_*.py)
 
 pytestmark = pytest.mark.gpu
 
@@ -179,16 +179,10 @@ def test_multiple_kernels_and_devices_state(gpu_device):
         assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
 
 
-@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a", [
-    (512, 2048, 1024, 128, 128, 2, False),   # multicast of B: pairs share n_block
-    (512, 2048, 1024, 128, 128, 2, True),    # multicast of A: pairs share m_block
-    (768, 1088, 640, 128, 136, 2, True),     # 136 wide, tiles straddling B scale blocks
-    (300, 1280, 2048, 64, 160, 2, True),     # BLOCK_M 64, 160 wide, M tail
-    (4096, 576, 320, 128, 144, 2, False),
-])
+@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a", FORCED_CONFIGS)
 def test_forced_configs(m, n, k, bm, bn, multicast, on_a, gpu_device):
-    """Configs the heuristic may not pick today (2-CTA multicast of A or B, wide odd tiles) stay
-    correct: built directly, bypassing the heuristic."""
+    """Configs the heuristic may not pick today (2-CTA multicast of A or B, wide odd tiles,
+    BLOCK_M 256) stay correct: built directly, bypassing the heuristic."""
     from fp8gemm.backends.cuda import sm90_fp8_gemm as g
 
     facts = g.DeviceFacts.of(gpu_device)
@@ -196,7 +190,7 @@ def test_forced_configs(m, n, k, bm, bn, multicast, on_a, gpu_device):
     tiles = ceil_div(m, bm) * ceil_div(n, bn)
     grid = min(facts.num_sms, tiles) // multicast * multicast
     cfg = g.Sm90GemmConfig(bm, bn, stages, multicast, on_a, g.BAND_SIZE, grid,
-                           g.smem_bytes(bm, bn, stages, k), bm // 64 * 128 + 128)
+                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm))
     a, sa, b, sb = make_operands(m, n, k, gpu_device)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
     plan = g._Plan(dense_problem(m, n, k), gpu_device.index or 0, cfg)

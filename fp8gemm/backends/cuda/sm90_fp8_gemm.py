@@ -19,6 +19,7 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
+           "num_threads",
            "tile_cost", "mma_efficiency",
            "kernel_source", "build_kernel", "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
 
@@ -29,7 +30,11 @@ BLOCK_K = 128
 # addresses. Above 128 only widths that never straddle three 128-wide B scale blocks
 # (BLOCK_N <= 128 + largest power of two dividing it): 136, 144, 160.
 BLOCK_N_CHOICES = tuple(range(16, 129, 8)) + (136, 144, 160)
-BLOCK_M_CHOICES = (64, 128)
+BLOCK_M_CHOICES = (64, 128, 256)
+# BLOCK_M = 256 keeps two FP32 sums per thread besides the wgmma accumulator: BLOCK_N <= 136 fits
+# without spills (144 spills). Narrower tiles gain nothing from the second wave: on the M = 4096
+# shapes 256x96 and 256x112 ran 20-28 % slower than 256x128 (more than their wave counts say).
+BLOCK_N_CHOICES_256 = (128, 136)
 MAX_STAGES = 8
 MIN_STAGES = 3
 # Tiles per rasterisation band (even: a 2-CTA cluster's two tiles must share a band).
@@ -40,15 +45,20 @@ BAND_SIZE = 16
 #   BN / align(BN, 32), times 0.96 above 128 (wide tiles lose a little more); one math warpgroup
 #   (BLOCK_M = 64) waits for its own wgmma before each promotion and reaches well under half the
 #   rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights compete).
+#   BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128 at equal wave
+#   counts on the six M = 4096 shapes (scripts/cuda_ab.py, H200): 1.06.
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
 LOAD_WEIGHT = 128
 ONE_WARPGROUP_EFFICIENCY = 0.4
+TWO_WAVE_EFFICIENCY = 1.06
 WIDE_TILE_EFFICIENCY = 0.96
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
 MULTICAST_MIN_M = 512
+# SASS post-pass over the promotion FFMAs (jit.FfmaYield): fraction of each run allowed to yield.
+FFMA_YIELD = 0.0
 # NOTE: the kernel keeps every k-block's B scales in shared memory (8 bytes per 128 of K) and
 # prefetches them into registers (2 * K/128 / math threads per thread): at K = 262144 a 64x160 tile
 # spills, and near K = 4M no tile fits shared memory. 131072 is the largest K checked to compile
@@ -67,6 +77,8 @@ def mma_efficiency(block_m: int, block_n: int) -> float:
         eff *= WIDE_TILE_EFFICIENCY
     if block_m == 64:
         eff *= ONE_WARPGROUP_EFFICIENCY
+    elif block_m == 256:
+        eff *= TWO_WAVE_EFFICIENCY
     return eff
 
 
@@ -109,12 +121,21 @@ class Sm90GemmConfig:
     grid: int  # persistent CTAs
     smem: int  # dynamic shared memory, bytes
     num_threads: int
+    # Fraction of each promotion FFMA run whose no-yield hints the SASS post-pass clears
+    # (jit.FfmaYield); 0 = no post-pass.
+    ffma_yield: float = 0.0
 
     def __str__(self) -> str:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
         return (f"sm90_fp8_gemm_1d2d BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} "
                 f"stages={self.num_stages} multicast={mc} grid={self.grid} "
-                f"threads={self.num_threads} smem={self.smem // 1024}KB")
+                f"threads={self.num_threads} smem={self.smem // 1024}KB "
+                f"ffma_yield={self.ffma_yield:g}")
+
+
+def num_threads(block_m: int) -> int:
+    """One producer warpgroup and one (BLOCK_M = 64) or two math warpgroups."""
+    return 128 + (128 if block_m == 64 else 256)
 
 
 def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
@@ -146,11 +167,13 @@ def candidate_configs(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candid
     """Every tile shape that fits shared memory, with its modelled cost."""
     out = []
     for bm in BLOCK_M_CHOICES:
-        if bm == 128 and m <= 64:
-            continue  # a second math warpgroup would only multiply zeros
+        if (bm == 128 and m <= 64) or (bm == 256 and m <= 128):
+            continue  # a second math warpgroup or wave would only multiply zeros
         for bn in BLOCK_N_CHOICES:
             if bn > align(n, 8) and bn != BLOCK_N_CHOICES[0]:
                 continue  # wider than N: only zero columns
+            if bm == 256 and bn not in BLOCK_N_CHOICES_256:
+                continue
             stages = _stages(bm, bn, k, facts.smem_per_block)
             if stages == 0:
                 continue
@@ -195,7 +218,8 @@ def _select(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90GemmConfig:
                           num_multicast=multicast, multicast_on_a=on_a, band_size=BAND_SIZE,
                           grid=max(grid, multicast),
                           smem=smem_bytes(best.block_m, best.block_n, best.num_stages, k),
-                          num_threads=best.block_m // 64 * 128 + 128)
+                          num_threads=num_threads(best.block_m),
+                          ffma_yield=FFMA_YIELD)
 
 
 def select_config(problem: GemmProblem, facts: DeviceFacts) -> Sm90GemmConfig:
@@ -213,15 +237,20 @@ def kernel_source(n: int, k: int, cfg: Sm90GemmConfig) -> tuple[str, str]:
     return source, name
 
 
+def _post_pass(cfg: Sm90GemmConfig) -> jit.FfmaYield | None:
+    return jit.FfmaYield(cfg.ffma_yield) if cfg.ffma_yield > 0 else None
+
+
 def compile_kernel(n: int, k: int, cfg: Sm90GemmConfig, compiler: str | None = None):
     """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
     source, name = kernel_source(n, k, cfg)
-    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
+    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler,
+                              post=_post_pass(cfg))
 
 
 def build_kernel(n: int, k: int, cfg: Sm90GemmConfig) -> jit.Kernel:
     source, name = kernel_source(n, k, cfg)
-    return jit.build(source, name, (str(INCLUDE_DIR),))
+    return jit.build(source, name, (str(INCLUDE_DIR),), post=_post_pass(cfg))
 
 
 # --- launch -------------------------------------------------------------------------------------------
@@ -260,8 +289,9 @@ class _Plan:
         cfg, m, n, k = self.cfg, self.m, self.n, self.k
         tm = self.tmaps
         sa_stride = align(m, 4) if self.num_kb == 1 else sa.stride(1)
+        # NOTE: a box of min(BLOCK_M, M) rows: the kernel expects exactly these bytes per stage.
         map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (_row_stride(a) * a.element_size(),),
-                       (BLOCK_K, cfg.block_m), jit.Swizzle.B128)
+                       (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
         map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (_row_stride(b) * b.element_size(),),
                        (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
         map_sa = tm.get(torch.float32, sa.data_ptr(), (m, self.num_kb), (sa_stride * 4,),

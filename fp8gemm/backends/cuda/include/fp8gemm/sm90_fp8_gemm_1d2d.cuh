@@ -2,7 +2,7 @@
 //   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
 //   B [N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [ceil(N/128), ceil(K/128)]
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
-// (BLOCK_M = 128) math warpgroups through a ring of kNumStages shared-memory stages.
+// (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages.
 #pragma once
 
 #include "sm90_utils.cuh"
@@ -12,7 +12,7 @@
 namespace fp8gemm {
 
 template <uint32_t BLOCK_M>
-__host__ __device__ constexpr uint32_t sm90_num_math_threads() { return BLOCK_M / 64 * 128; }
+__host__ __device__ constexpr uint32_t sm90_num_math_threads() { return BLOCK_M == 64 ? 128 : 256; }
 
 // Largest power of two dividing n, capped at 128.
 __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
@@ -51,13 +51,18 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t WGMMA_M = 64, WGMMA_K = 32;
   constexpr uint32_t kNumMathThreads = sm90_num_math_threads<BLOCK_M>();
   constexpr uint32_t kNumMathWarps = kNumMathThreads / 32;
+  // NOTE: BLOCK_M = 256 runs as two waves of 128 rows (64 per math warpgroup) per k-block, one
+  // after the other through the same wgmma accumulator: only the FP32 sums double (a third
+  // accumulator would not fit 232 registers), and the tile reads 25% fewer A+B bytes per FLOP
+  // than 128 x BLOCK_N.
+  constexpr uint32_t WAVE_M = kNumMathThreads / 128 * WGMMA_M;
+  constexpr uint32_t kNumWaves = BLOCK_M / WAVE_M;
   constexpr uint32_t kNumKBlocks = Layout::kNumKBlocks;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
   constexpr uint32_t kNumSbRows = ceil_div(SHAPE_N, 128u);
   // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
   constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
-  constexpr uint32_t kStageTxBytes = Layout::SMEM_A + Layout::SMEM_B + Layout::SMEM_SA;
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold two BLOCK_N/2 float accumulators per thread. 128 * 40 + 256 * 232 fits
   // the 64K-register file.
@@ -72,7 +77,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t kTailCols = BLOCK_N % 64;
 
   // --- static checks ----------------------------------------------------------------------------
-  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups of 64 rows each");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
+                "one or two math warpgroups of 64 rows each, in one or two waves");
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   // NOTE: a tile spans at most two 128-wide B scale blocks only when its width never straddles a
   // whole block: BLOCK_N <= 128 + the largest power of two dividing BLOCK_N (e.g. 144, 160, not 152).
@@ -133,6 +139,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x == kNumMathThreads) {
       const bool is_leader = kNumTMAMulticast == 1 || cluster_cta_rank() == 0;
+      // NOTE: below BLOCK_M rows the host's A map has a box of M rows: TMA's zero fill of rows
+      // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
+      // keep stale bytes; they only feed output rows that the TMA store clips.
+      const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
+      const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::SMEM_SA;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(m_block, n_block)) {
         const int32_t m0 = static_cast<int32_t>(m_block * BLOCK_M);
@@ -140,12 +151,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
           mbar_wait(&empty_bar[stage], phase ^ 1);
           uint64_t* bar = &full_bar[stage];
-          mbar_arrive_expect_tx(bar, kStageTxBytes);
+          mbar_arrive_expect_tx(bar, stage_tx_bytes);
           const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
           uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
           uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
           // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
-          // other CTA's barrier still expects those bytes, so both count the same kStageTxBytes.
+          // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
           if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
             if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
           } else {
@@ -165,7 +176,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // --- consumers: wgmma, promotion with scales, epilogue --------------------------------------
     warpgroup_reg_alloc<kMathRegs>();
     const uint32_t warp_in_wg = (threadIdx.x / 32) % 4;
-    // This thread's accumulator rows are r0 and r0 + 8 of the tile (wgmma D fragment layout).
+    // This thread's accumulator rows are r0 and r0 + 8 of each wave (wgmma D fragment layout).
     const uint32_t r0 = warpgroup * WGMMA_M + warp_in_wg * 16 + lane / 4;
     const uint32_t col_in_group = (lane % 4) * 2;
     uint32_t stage = 0, phase = 0;
@@ -204,56 +215,64 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
       const uint32_t num_first = (128 - n0 % 128) / 8;
 
-      float acc[kNumAccum], final_acc[kNumAccum];
+      float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
 #pragma unroll
-      for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
+      for (uint32_t w = 0; w < kNumWaves; ++w)
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
       for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
         mbar_wait(&full_bar[stage], phase);
-        const float sa0 = smem_sa[stage * BLOCK_M + r0];
-        const float sa1 = smem_sa[stage * BLOCK_M + r0 + 8];
         const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
-
-        const uint64_t desc_a =
-            make_smem_desc_sw128(smem_a + stage * Layout::SMEM_A + warpgroup * WGMMA_M * BLOCK_K);
         const uint64_t desc_b = make_smem_desc_sw128(smem_b + stage * Layout::SMEM_B);
 #pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-        wgmma_fence();
-        // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
-        if (kb + 1 < kNumKBlocks || kLastKSteps == BLOCK_K / WGMMA_K) {
+        for (uint32_t w = 0; w < kNumWaves; ++w) {
+          const uint32_t row = w * WAVE_M + r0;
+          const float sa0 = smem_sa[stage * BLOCK_M + row];
+          const float sa1 = smem_sa[stage * BLOCK_M + row + 8];
+          const uint64_t desc_a = make_smem_desc_sw128(
+              smem_a + stage * Layout::SMEM_A + (w * WAVE_M + warpgroup * WGMMA_M) * BLOCK_K);
 #pragma unroll
-          for (uint32_t k = 0; k < BLOCK_K / WGMMA_K; ++k)
-            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-        } else {
+          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+          wgmma_fence();
+          // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
+          if (kb + 1 < kNumKBlocks || kLastKSteps == BLOCK_K / WGMMA_K) {
 #pragma unroll
-          for (uint32_t k = 0; k < kLastKSteps; ++k)
-            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-        }
-        wgmma_commit();
+            for (uint32_t k = 0; k < BLOCK_K / WGMMA_K; ++k)
+              WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+          } else {
 #pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-        wgmma_wait<0>();
+            for (uint32_t k = 0; k < kLastKSteps; ++k)
+              WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+          }
+          wgmma_commit();
+#pragma unroll
+          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+          wgmma_wait<0>();
 
-        // The stage is free once this warp's wgmma have read it: release it to every CTA whose
-        // producer writes into it.
-        if constexpr (kNumTMAMulticast == 1) {
-          if (lane == 0) mbar_arrive(&empty_bar[stage]);
-        } else {
-          if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage], lane);
-        }
+          // The stage is free once this warp's last wgmma have read it: release it to every CTA
+          // whose producer writes into it.
+          if (w + 1 == kNumWaves) {
+            if constexpr (kNumTMAMulticast == 1) {
+              if (lane == 0) mbar_arrive(&empty_bar[stage]);
+            } else {
+              if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage], lane);
+            }
+          }
 
-        // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
-        // K the partial sum moves to FP32 registers, scaled by sa * sb.
-        const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+          // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128
+          // of K the partial sum moves to FP32 registers, scaled by sa * sb.
+          const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+          float* fin = final_acc[w];
 #pragma unroll
-        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-          const bool first = g < num_first;
-          const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
-          final_acc[4 * g + 0] = fmaf(acc[4 * g + 0], c0, final_acc[4 * g + 0]);
-          final_acc[4 * g + 1] = fmaf(acc[4 * g + 1], c0, final_acc[4 * g + 1]);
-          final_acc[4 * g + 2] = fmaf(acc[4 * g + 2], c1, final_acc[4 * g + 2]);
-          final_acc[4 * g + 3] = fmaf(acc[4 * g + 3], c1, final_acc[4 * g + 3]);
+          for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+            const bool first = g < num_first;
+            const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
+            fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
+            fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
+            fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
+            fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
+          }
         }
         if (++stage == kNumStages) stage = 0, phase ^= 1;
       }
@@ -263,20 +282,24 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       if (threadIdx.x == 0) tma_store_wait_read();
       named_barrier_sync(1, kNumMathThreads);
 #pragma unroll
-      for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-        const uint32_t p0 = pack_bf16x2(final_acc[4 * g + 0], final_acc[4 * g + 1]);
-        const uint32_t p1 = pack_bf16x2(final_acc[4 * g + 2], final_acc[4 * g + 3]);
-        if (g / 8 + 1 <= kNumDChunks) {  // (g < 8 * kNumDChunks, without a warning at 0 chunks)
-          // 16-byte unit g % 8 of row r sits at unit (g % 8) ^ (r % 8); r0 % 8 == (r0 + 8) % 8.
-          uint8_t* chunk = smem_d + (g / 8) * BLOCK_M * 128;
-          const uint32_t unit = ((g % 8) ^ (r0 % 8)) * 16 + col_in_group * 2;
-          st_shared_u32(chunk + r0 * 128 + unit, p0);
-          st_shared_u32(chunk + (r0 + 8) * 128 + unit, p1);
-        } else {
-          uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
-          const uint32_t col = (g - kNumDChunks * 8) * 8 + col_in_group;
-          st_shared_u32(tail + (r0 * kTailCols + col) * 2, p0);
-          st_shared_u32(tail + ((r0 + 8) * kTailCols + col) * 2, p1);
+      for (uint32_t w = 0; w < kNumWaves; ++w) {
+        const uint32_t row = w * WAVE_M + r0;
+#pragma unroll
+        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+          const uint32_t p0 = pack_bf16x2(final_acc[w][4 * g + 0], final_acc[w][4 * g + 1]);
+          const uint32_t p1 = pack_bf16x2(final_acc[w][4 * g + 2], final_acc[w][4 * g + 3]);
+          if (g / 8 + 1 <= kNumDChunks) {  // (g < 8 * kNumDChunks, without a warning at 0 chunks)
+            // 16-byte unit g % 8 of row r sits at unit (g % 8) ^ (r % 8); row % 8 == (row + 8) % 8.
+            uint8_t* chunk = smem_d + (g / 8) * BLOCK_M * 128;
+            const uint32_t unit = ((g % 8) ^ (row % 8)) * 16 + col_in_group * 2;
+            st_shared_u32(chunk + row * 128 + unit, p0);
+            st_shared_u32(chunk + (row + 8) * 128 + unit, p1);
+          } else {
+            uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
+            const uint32_t col = (g - kNumDChunks * 8) * 8 + col_in_group;
+            st_shared_u32(tail + (row * kTailCols + col) * 2, p0);
+            st_shared_u32(tail + ((row + 8) * kTailCols + col) * 2, p1);
+          }
         }
       }
       fence_proxy_async_smem();
