@@ -10,7 +10,6 @@ BLOCK_N 64/128, all without multicast, then the best with multicast. Device time
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path

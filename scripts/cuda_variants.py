@@ -78,7 +78,6 @@ def main():
         a, sa, b, sb = make_operands(m, n, k, dev)
         ref = reference(a, sa, b, sb)
         problem = dense_problem(m, n, k)
-        from fp8gemm.layout import get_num_sms
 
         base = g.select_config(problem, g.DeviceFacts.of(dev))
         out = torch.empty((m, n), dtype=torch.bfloat16, device=dev)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp8gemm
-from helpers import (A_RECIPES, B_RECIPES, E4M3, E5M2, FP8_COMBOS, OUT_DTYPES, TOL,
+from helpers import (A_RECIPES, B_RECIPES, E4M3, FP8_COMBOS, OUT_DTYPES, TOL,
                      assert_close_diff, calc_diff, make_a, make_b, poisoned, random_scales,
                      ref_gemm, ref_grouped_rows, ref_masked)
 

@@ -6,20 +6,17 @@
 - `runtime`: in-process cache, `cuLibraryLoadData`, launches through `cuLaunchKernelEx` with
   cluster dimensions and prebuilt argument packs.
 - `tma`: `cuTensorMapEncodeTiled` descriptors, cached while pointer, shape and strides hold.
-- `sass`: post-passes over a cubin's machine code (`FfmaYield`), keyed into the cache.
 
 FP8GEMM_JIT_DEBUG=1 prints compiler commands, times and cache hits; FP8GEMM_DUMP_SASS=1 writes the
 SASS of each newly compiled kernel beside its cache entry.
 """
 
 from .compiler import CompileError, CompilerUnavailable, CompiledCubin, get_compiler, nvrtc_available
-from .runtime import (CubinPass, Kernel, LaunchConfig, ParamPack, build, cache_key,
-                      clear_memory_cache, compile_cached, cuobjdump_path)
-from .sass import FfmaYield
+from .runtime import (Kernel, LaunchConfig, ParamPack, build, cache_key, clear_memory_cache,
+                      compile_cached, cuobjdump_path)
 from .tma import Swizzle, TensorMap, TensorMapCache, encode_tiled
 
 __all__ = ["CompileError", "CompilerUnavailable", "CompiledCubin", "get_compiler", "nvrtc_available",
-           "CubinPass", "FfmaYield", "Kernel", "LaunchConfig", "ParamPack", "build", "cache_key",
-           "clear_memory_cache",
+           "Kernel", "LaunchConfig", "ParamPack", "build", "cache_key", "clear_memory_cache",
            "compile_cached", "cuobjdump_path", "Swizzle", "TensorMap", "TensorMapCache",
            "encode_tiled"]

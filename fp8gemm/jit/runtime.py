@@ -14,7 +14,6 @@ current context, which the caller must make the tensors' device (see cuLaunchKer
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import subprocess
@@ -23,27 +22,16 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Protocol
 
 from .._settings import settings
 from . import cache, driver
 from .compiler import CompiledCubin, get_compiler
 from .tma import TensorMap
 
-__all__ = ["CubinPass", "Kernel", "LaunchConfig", "ParamPack", "build", "cache_key",
-           "clear_memory_cache", "cuobjdump_path"]
+__all__ = ["Kernel", "LaunchConfig", "ParamPack", "build", "cache_key", "clear_memory_cache",
+           "cuobjdump_path"]
 
 DEFAULT_ARCH = "sm_90a"
-
-
-class CubinPass(Protocol):
-    """A rewrite of compiled machine code: `key` names it (and its parameters) in cache keys."""
-
-    @property
-    def key(self) -> str: ...
-
-    def apply(self, cubin: bytes) -> tuple[bytes, int]: ...  # (new cubin, instructions changed)
-
 _memory_cache: dict[tuple, Kernel] = {}
 _lock = threading.Lock()
 
@@ -67,16 +55,12 @@ def _dir_stamp(include_dir: str) -> tuple:
 
 
 def cache_key(source: str, name_expr: str, include_dirs: tuple[str, ...], flags: tuple[str, ...],
-              arch: str, compiler_ident: str, post: str = "") -> str:
+              arch: str, compiler_ident: str) -> str:
     """Hash of everything that shapes the binary: source (template values included), every
-    header reachable through the include dirs, compiler and exact version, flags, arch, and the
-    post-pass over the cubin (its key; "" for none)."""
+    header reachable through the include dirs, compiler and exact version, flags, arch."""
     headers = {d: _include_digest(d, _dir_stamp(d)) for d in include_dirs}
-    parts = {"v": 1, "source": source, "name": name_expr, "headers": headers,
-             "flags": list(flags), "arch": arch, "compiler": compiler_ident}
-    if post:
-        parts["post"] = post
-    return cache.hash_key(parts)
+    return cache.hash_key({"v": 1, "source": source, "name": name_expr, "headers": headers,
+                           "flags": list(flags), "arch": arch, "compiler": compiler_ident})
 
 
 # --- launching -------------------------------------------------------------------------------------
@@ -207,15 +191,12 @@ def _dump_sass(path: Path, cubin: bytes) -> None:
 
 def compile_cached(source: str, name_expr: str, include_dirs: tuple[str, ...] = (),
                    flags: tuple[str, ...] = (), arch: str = DEFAULT_ARCH,
-                   compiler: str | None = None,
-                   post: CubinPass | None = None) -> tuple[str, CompiledCubin, Path, bool]:
+                   compiler: str | None = None) -> tuple[str, CompiledCubin, Path, bool]:
     """Compile (or read from the disk cache) without loading: (key, cubin, path, was_cached).
-    `post` rewrites the cubin after compiling (e.g. sass.FfmaYield); the cache holds the result.
     Needs no GPU, so CI can build every kernel."""
     comp = get_compiler(compiler)
     include_dirs = tuple(str(Path(d).resolve()) for d in include_dirs)
-    key = cache_key(source, name_expr, include_dirs, tuple(flags), arch, comp.cache_ident,
-                    post.key if post is not None else "")
+    key = cache_key(source, name_expr, include_dirs, tuple(flags), arch, comp.cache_ident)
     path = cache.entry_path(settings.cache_dir, key)
     entry = cache.read_entry(path)
     if entry is not None:
@@ -224,10 +205,6 @@ def compile_cached(source: str, name_expr: str, include_dirs: tuple[str, ...] = 
         log = entry.meta.get("log", "")
         return key, CompiledCubin(entry.cubin, entry.kernel_name, log, 0.0), path, True
     compiled = comp.compile(source, name_expr, include_dirs, tuple(flags), arch)
-    if post is not None:
-        cubin, changed = post.apply(compiled.cubin)
-        compiled = dataclasses.replace(
-            compiled, cubin=cubin, log=f"{compiled.log}\n{post.key}: {changed} instructions changed")
     try:
         cache.write_entry(path, compiled.cubin, compiled.kernel_name,
                           {"compiler": comp.ident, "arch": arch, "seconds": compiled.seconds,
@@ -258,20 +235,17 @@ def _warn_unwritable(cache_dir: str, error: OSError) -> None:
 
 
 def build(source: str, name_expr: str, include_dirs: tuple[str, ...] = (),
-          flags: tuple[str, ...] = (), arch: str = DEFAULT_ARCH, compiler: str | None = None,
-          post: CubinPass | None = None) -> Kernel:
+          flags: tuple[str, ...] = (), arch: str = DEFAULT_ARCH, compiler: str | None = None) -> Kernel:
     """The loaded kernel for this source: from memory, else the disk cache, else compiled."""
     # NOTE: the in-process key is the inputs themselves; hashing headers happens once per kernel.
-    mem_key = (source, name_expr, tuple(include_dirs), tuple(flags), arch,
-               compiler or settings.jit_compiler, post.key if post is not None else "")
+    mem_key = (source, name_expr, tuple(include_dirs), tuple(flags), arch, compiler or settings.jit_compiler)
     kernel = _memory_cache.get(mem_key)
     if kernel is not None:
         return kernel
     with _lock:
         kernel = _memory_cache.get(mem_key)
         if kernel is None:
-            key, compiled, path, _ = compile_cached(source, name_expr, include_dirs, flags, arch,
-                                                    compiler, post)
+            key, compiled, path, _ = compile_cached(source, name_expr, include_dirs, flags, arch, compiler)
             kernel = Kernel(key, compiled, path)
             if settings.jit_debug:
                 print(f"[fp8gemm.jit] loaded {kernel.name} in {kernel.load_seconds * 1e3:.1f} ms",

@@ -57,8 +57,10 @@ WIDE_TILE_EFFICIENCY = 0.96
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
 MULTICAST_MIN_M = 512
-# SASS post-pass over the promotion FFMAs (jit.FfmaYield): fraction of each run allowed to yield.
-FFMA_YIELD = 0.0
+# NOTE: DeepGEMM's SASS post-pass (clear the reuse and no-yield bits of the promotion FFMAs so
+# the other math warpgroup can issue its wgmma sooner) was tried on 128x128 and 256x128 tiles
+# (first half / all of each FFMA run, commit 9ec09f1): 1-5 % slower on every M = 4096 shape
+# (benchmarks/experiments/2026-11-30-ffma-yield-*.json), so it is not applied.
 # NOTE: the kernel keeps every k-block's B scales in shared memory (8 bytes per 128 of K) and
 # prefetches them into registers (2 * K/128 / math threads per thread): at K = 262144 a 64x160 tile
 # spills, and near K = 4M no tile fits shared memory. 131072 is the largest K checked to compile
@@ -121,16 +123,12 @@ class Sm90GemmConfig:
     grid: int  # persistent CTAs
     smem: int  # dynamic shared memory, bytes
     num_threads: int
-    # Fraction of each promotion FFMA run whose no-yield hints the SASS post-pass clears
-    # (jit.FfmaYield); 0 = no post-pass.
-    ffma_yield: float = 0.0
 
     def __str__(self) -> str:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
         return (f"sm90_fp8_gemm_1d2d BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} "
                 f"stages={self.num_stages} multicast={mc} grid={self.grid} "
-                f"threads={self.num_threads} smem={self.smem // 1024}KB "
-                f"ffma_yield={self.ffma_yield:g}")
+                f"threads={self.num_threads} smem={self.smem // 1024}KB")
 
 
 def num_threads(block_m: int) -> int:
@@ -218,8 +216,7 @@ def _select(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90GemmConfig:
                           num_multicast=multicast, multicast_on_a=on_a, band_size=BAND_SIZE,
                           grid=max(grid, multicast),
                           smem=smem_bytes(best.block_m, best.block_n, best.num_stages, k),
-                          num_threads=num_threads(best.block_m),
-                          ffma_yield=FFMA_YIELD)
+                          num_threads=num_threads(best.block_m))
 
 
 def select_config(problem: GemmProblem, facts: DeviceFacts) -> Sm90GemmConfig:
@@ -237,20 +234,15 @@ def kernel_source(n: int, k: int, cfg: Sm90GemmConfig) -> tuple[str, str]:
     return source, name
 
 
-def _post_pass(cfg: Sm90GemmConfig) -> jit.FfmaYield | None:
-    return jit.FfmaYield(cfg.ffma_yield) if cfg.ffma_yield > 0 else None
-
-
 def compile_kernel(n: int, k: int, cfg: Sm90GemmConfig, compiler: str | None = None):
     """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
     source, name = kernel_source(n, k, cfg)
-    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler,
-                              post=_post_pass(cfg))
+    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
 
 
 def build_kernel(n: int, k: int, cfg: Sm90GemmConfig) -> jit.Kernel:
     source, name = kernel_source(n, k, cfg)
-    return jit.build(source, name, (str(INCLUDE_DIR),), post=_post_pass(cfg))
+    return jit.build(source, name, (str(INCLUDE_DIR),))
 
 
 # --- launch -------------------------------------------------------------------------------------------
