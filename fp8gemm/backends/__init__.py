@@ -11,7 +11,13 @@ A backend is a module with:
     m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem) -> None
 
 A backend defines the GEMM functions of the kinds its `supports` accepts; the others may be
-absent (the dispatcher never picks it for them).
+absent (the dispatcher never picks it for them). Optionally, for the ops layer's warm-call fast
+path:
+
+    fp8_gemm_nt_launcher(problem, sa, sb) -> run(a, sa, b, sb, out, c) or None
+
+a callable that runs `problem` for later calls whose tensors have the metadata of this call's,
+skipping the backend's own checks and lookups (see backends/cuda).
 
 The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
 normalised shapes of `Recipe` (any strides), index tensors are contiguous int32, every tensor is

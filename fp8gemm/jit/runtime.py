@@ -68,12 +68,13 @@ class ParamPack:
     """Kernel arguments as the driver wants them: an array of pointers to each value. Values are
     ctypes scalars or TensorMaps (passed by value: 128 bytes). Build once, launch many times."""
 
-    __slots__ = ("_values", "array")
+    __slots__ = ("_values", "array", "address")
 
     def __init__(self, values: list) -> None:
         self._values = list(values)  # keep every pointee alive
         addrs = [v.address if isinstance(v, TensorMap) else ctypes.addressof(v) for v in values]
         self.array = (ctypes.c_void_p * max(len(addrs), 1))(*addrs)
+        self.address = ctypes.addressof(self.array)  # what the launch passes
 
 
 class LaunchConfig:
@@ -131,6 +132,9 @@ class Kernel:
                                     f"cuLibraryGetKernel({self.name})")
         self.handle = int(self._kernel)
         self.load_seconds = time.perf_counter() - start
+        # NOTE: bound once: a launch costs a few microseconds of host time, and looking the
+        # symbol up again (driver.lib(), attribute) on each one is a measurable part of it.
+        self._launch_kernel_ex = driver.lib().cuLaunchKernelEx
         self._smem_set: dict[int, int] = {}
 
     def set_max_dynamic_smem(self, nbytes: int, device_index: int) -> None:
@@ -145,9 +149,10 @@ class Kernel:
         self._smem_set[device_index] = nbytes
 
     def launch(self, config: LaunchConfig, stream: int, params: ParamPack) -> None:
-        cfg = config.for_stream(stream)  # held until the driver has read it
-        rc = driver.lib().cuLaunchKernelEx(cfg[1], self.handle, ctypes.addressof(params.array),
-                                           None)
+        # NOTE: for_stream's table lookup inline (a Python call less per launch); the tuple is
+        # held until the driver has read the struct.
+        cfg = config._per_stream.get(stream) or config.for_stream(stream)
+        rc = self._launch_kernel_ex(cfg[1], self.handle, params.address, None)
         if rc != 0:
             raise driver.DriverError(f"cuLaunchKernelEx({self.name}, grid={config.grid}, "
                                      f"block={config.block}, smem={config.smem}, "

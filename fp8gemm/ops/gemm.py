@@ -7,20 +7,22 @@ import torch
 from .._settings import hot_env, settings
 from ..backends import select_backend
 from ..problem import GemmKind, GemmProblem
-from ._common import (check_device, check_fp8, contiguous_operand, prepare_out, resolve_a_scale,
-                      resolve_b_scale, resolve_out_dtype, run_into, shape_str, split_operand)
+from ._common import (check_device, check_fp8, contiguous_operand, metadata_guard, prepare_out,
+                      resolve_a_scale, resolve_b_scale, resolve_out_dtype, run_into, shape_str,
+                      split_operand)
 
 __all__ = ["fp8_gemm_nt"]
 
 # NOTE: a warm eager call must cost a few microseconds of host time. Validation depends only on
 # tensor metadata once value checks are off (GPU default), so the outcome of the full path (the
-# problem, the backend, how scales are viewed) is remembered per metadata signature.
-_plans: dict[tuple, tuple] = {}
+# problem, the backend and how it runs) is remembered per metadata signature: found by a cheap key
+# (A's and B's element counts, the other arguments), then confirmed by a metadata guard over every
+# tensor. Reading shapes, strides, dtypes and devices of five tensors in Python costs ~2 us; the
+# guard compares them in one C++ call, and element counts are ints (no torch.Size to build and
+# hash) that tell apart the shapes of a model's layers.
+_plans: dict[tuple, tuple] = {}  # key -> ((guard, run, out shape, out dtype), ...)
 _MAX_PLANS = 4096
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    return (t.shape, t.dtype, t.stride(), t.device)
+_MAX_PER_KEY = 8  # signatures under one key (other shapes of equal size, strides, dtypes)
 
 
 def _values_unchecked(t: torch.Tensor) -> bool:
@@ -29,20 +31,27 @@ def _values_unchecked(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _plan_key(a, b, out, c, out_dtype, backend) -> tuple | None:
-    try:
-        (a_t, a_s), (b_t, b_s) = a, b
-        if not _values_unchecked(a_t):
-            return None
-        env = hot_env()
-        if env[1] is not None and settings.check_values:
-            return None
-        return (_meta(a_t), _meta(a_s), _meta(b_t), _meta(b_s),
-                None if out is None else _meta(out),
-                None if c is None else (_meta(c), c is out),
-                out_dtype, backend, env)
-    except (TypeError, ValueError, AttributeError):
-        return None  # not a pair of tensors: the full path raises the right error
+def _metadata_decides(t: torch.Tensor) -> bool:
+    """Whether a call on t's device may be remembered: its values go unchecked now."""
+    return _values_unchecked(t) and not settings.check_values
+
+
+def _warm_run(impl, problem: GemmProblem, a_s, sa, b_s, sb):
+    """run(a_t, a_s, b_t, b_s, out, c) for warm calls of one metadata signature: the backend's
+    own launcher where it has one (it skips the backend's checks and lookups), else its
+    fp8_gemm_nt with the scales viewed as the full path viewed them."""
+    launcher = getattr(impl, "fp8_gemm_nt_launcher", None)
+    if launcher is not None and sa is a_s and sb is b_s:
+        run = launcher(problem, sa, sb)
+        if run is not None:
+            return run
+    sa_shape = None if sa is a_s else tuple(sa.shape)
+    sb_shape = None if sb is b_s else tuple(sb.shape)
+
+    def run(a_t, a_s, b_t, b_s, out, c):
+        impl.fp8_gemm_nt(a_t, a_s if sa_shape is None else a_s.reshape(sa_shape), b_t,
+                         b_s if sb_shape is None else b_s.reshape(sb_shape), out, c, problem)
+    return run
 
 
 def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None = None,
@@ -65,17 +74,37 @@ def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None
     Returns:
         out, [M, N].
     """
-    key = _plan_key(a, b, out, c, out_dtype, backend)
-    plan = _plans.get(key) if key is not None else None
-    if plan is not None:
-        impl, problem, sa_shape, sb_shape = plan
+    # NOTE: plans are remembered only for calls whose values go unchecked (_metadata_decides),
+    # and a plan's guard matches only tensors on the device its call ran on, under the same raw
+    # FP8GEMM_CHECK_VALUES (in the key): a hit needs no check of its own.
+    key = tensors = plan = None
+    try:
         (a_t, a_s), (b_t, b_s) = a, b
+        key = (a_t.numel(), b_t.numel(), out is None, None if c is None else c is out, out_dtype,
+               backend, hot_env())
+        tensors = (a_t, a_s, b_t, b_s) if out is None else (a_t, a_s, b_t, b_s, out)
+        if c is not None and c is not out:
+            tensors += (c,)
+        for candidate in _plans.get(key, ()):
+            if candidate[0](*tensors):
+                plan = candidate
+                break
+    except (TypeError, ValueError, AttributeError):
+        key = None  # not pairs of tensors: the full path raises the right error
+    if plan is not None:
+        _, run, out_shape, dtype = plan
         if out is None:
-            out = torch.empty((problem.m, problem.n), dtype=problem.out_dtype, device=a_t.device)
-        impl.fp8_gemm_nt(a_t, a_s if sa_shape is None else a_s.reshape(sa_shape), b_t,
-                         b_s if sb_shape is None else b_s.reshape(sb_shape), out, c, problem)
+            out = torch.empty(out_shape, dtype=dtype, device=a_t.device)
+        run(a_t, a_s, b_t, b_s, out, c)
         return out
+    return _fp8_gemm_nt_full(a, b, out, c, out_dtype, backend, key, tensors)
 
+
+def _fp8_gemm_nt_full(a, b, out, c, out_dtype, backend, key, tensors) -> torch.Tensor:
+    """fp8_gemm_nt's full path: validation, backend choice, and (when key is not None) the plan
+    that warm calls with the metadata of `tensors` reuse.
+    NOTE: a function of its own: the lambda below makes its variables cells, which a frame
+    creates on entry, and the fast path above should not pay for them."""
     a_t, a_s = split_operand("a", a)
     b_t, b_s = split_operand("b", b)
     check_fp8("a", a_t, 2, "[M, K]")
@@ -104,12 +133,14 @@ def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None
     problem = GemmProblem(GemmKind.DENSE, m, n, k, 1, a_t.dtype, b_t.dtype, a_recipe, b_recipe,
                           out_dtype, has_c=c is not None)
     impl = select_backend(problem, device, backend)
-    if (key is not None and a_t.is_contiguous() and b_t.is_contiguous() and out.is_contiguous()
-            and (c is None or c.is_contiguous())):
+    if (key is not None and _metadata_decides(a_t) and a_t.is_contiguous() and b_t.is_contiguous()
+            and out.is_contiguous() and (c is None or c.is_contiguous())):
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        _plans[key] = (impl, problem, None if sa is a_s else tuple(sa.shape),
-                       None if sb is b_s else tuple(sb.shape))
+        plan = (metadata_guard(tensors), _warm_run(impl, problem, a_s, sa, b_s, sb), (m, n),
+                out_dtype)
+        # NOTE: a new tuple, not an append: a thread scanning the old one never sees it change.
+        _plans[key] = _plans.get(key, ())[1 - _MAX_PER_KEY:] + (plan,)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     if c is not None:
         c = c.contiguous() if c is not out else c

@@ -13,7 +13,7 @@ import torch
 from ...problem import GemmProblem
 from . import sm90_fp8_gemm
 
-__all__ = ["NAME", "is_available", "supports", "fp8_gemm_nt"]
+__all__ = ["NAME", "is_available", "supports", "fp8_gemm_nt", "fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
 
@@ -54,3 +54,11 @@ def fp8_gemm_nt(a, sa, b, sb, out, c, problem: GemmProblem) -> None:
     if c is not None:
         raise ValueError("the CUDA backend has no C input yet (supports() refuses has_c)")
     sm90_fp8_gemm.fp8_gemm_nt(a, sa, b, sb, out, problem)
+
+
+def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
+    """Optional part of the contract, used by the ops layer's per-metadata fast path: a callable
+    (a, sa, b, sb, out, c) that runs `problem` for later calls whose tensors have the metadata of
+    this call's (a, b, out contiguous; scales as sa and sb, unreshaped; one device), skipping this
+    module's checks and the plan lookups; or None."""
+    return sm90_fp8_gemm.launcher(problem, sa, sb)
