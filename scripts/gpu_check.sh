@@ -17,7 +17,8 @@
 #   TEST_ARGS="..."    extra pytest arguments (e.g. "-k triton" or "-x")
 #   TEST_TIMEOUT=210   seconds for the tests
 #   TIME_BUDGET=460    seconds for the whole script; the suites share what the tests leave
-#   FP8GEMM_COMMIT     recorded in the results (else git rev-parse, where .git exists)
+#   FP8GEMM_COMMIT     recorded in the results (else git rev-parse, where .git exists). Through the
+#                      device tool, write the hash in literally: the copy's .git there can be stale.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
