@@ -72,16 +72,10 @@ class _StubLib:
             self.cuTensorMapEncodeTiled = lambda *args: 0
             return
         self.native = True
+        from fp8gemm.jit import driver
+
         lib = ctypes.CDLL(str(so))
-        self.cuLaunchKernelEx = lib.cuLaunchKernelEx
-        self.cuLaunchKernelEx.restype = ctypes.c_int
-        self.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
-        self.cuTensorMapEncodeTiled = lib.cuTensorMapEncodeTiled
-        self.cuTensorMapEncodeTiled.restype = ctypes.c_int
-        self.cuTensorMapEncodeTiled.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int]
+        driver.bind_hot_path(self, lib)
         self._launches = ctypes.c_int.in_dll(lib, "launches")
 
     def launches(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["DriverError", "check", "lib", "error_name", "CUlaunchAttribute", "CUlaunchConfig",
+__all__ = ["DriverError", "bind_hot_path", "check", "lib", "error_name", "CUlaunchAttribute", "CUlaunchConfig",
            "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION"]
 
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
@@ -47,20 +47,26 @@ if ctypes.sizeof(CUlaunchAttribute) != 72 or ctypes.sizeof(CUlaunchConfig) != 56
     raise ImportError("ctypes layout of CUlaunchAttribute/CUlaunchConfig disagrees with cuda.h")
 
 
+def bind_hot_path(dst, cdll: ctypes.CDLL) -> None:
+    """Set dst.cuLaunchKernelEx and dst.cuTensorMapEncodeTiled to cdll's, with integer-only
+    prototypes (scripts/host_path_cpu.py binds no-op stand-ins the same way)."""
+    dst.cuLaunchKernelEx = cdll.cuLaunchKernelEx
+    dst.cuLaunchKernelEx.restype = ctypes.c_int
+    dst.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    dst.cuTensorMapEncodeTiled = cdll.cuTensorMapEncodeTiled
+    dst.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    dst.cuTensorMapEncodeTiled.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int]
+
+
 class _Lib:
     """libcuda symbols used on the hot path, with integer-only prototypes."""
 
     def __init__(self) -> None:
         cuda = ctypes.CDLL("libcuda.so.1")
-        self.cuLaunchKernelEx = cuda.cuLaunchKernelEx
-        self.cuLaunchKernelEx.restype = ctypes.c_int
-        self.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
-        self.cuTensorMapEncodeTiled = cuda.cuTensorMapEncodeTiled
-        self.cuTensorMapEncodeTiled.restype = ctypes.c_int
-        self.cuTensorMapEncodeTiled.argtypes = [
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int]
+        bind_hot_path(self, cuda)
         self.cuGetErrorName = cuda.cuGetErrorName
         self.cuGetErrorName.restype = ctypes.c_int
         self.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
