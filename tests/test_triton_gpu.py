@@ -14,10 +14,11 @@ import torch
 try:
     from .test_triton_helpers import (BF16_DIFF, E4M3, E5M2, GemmKind, Recipe, a_scales,
                                       b_scales, calc_diff, dequant_a, dequant_b, problem,
-                                      rand_fp8)
+                                      rand_fp8, ref_quant_groups)
 except ImportError:
     from test_triton_helpers import (BF16_DIFF, E4M3, E5M2, GemmKind, Recipe, a_scales, b_scales,
-                                     calc_diff, dequant_a, dequant_b, problem, rand_fp8)
+                                     calc_diff, dequant_a, dequant_b, problem, rand_fp8,
+                                     ref_quant_groups)
 
 
 def _gpu_ok() -> bool:
@@ -302,16 +303,6 @@ def test_cuda_graph_capture(tb):
 # quantisation
 
 
-def _ref_quant(x, fmt, pow2):
-    dtype = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
-    fmax = torch.finfo(dtype).max
-    amax = x.abs().amax(-1).clamp(min=1e-4)
-    scale = amax / fmax
-    if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    return (x / scale[..., None]).clamp(-fmax, fmax).to(dtype), scale
-
-
 def _steps(q, r):
     def ordinal(t):
         bits = t.view(torch.uint8).to(torch.int32)
@@ -328,14 +319,14 @@ def test_quant_kernels_match_torch(tb, fmt, pow2):
     x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
     q, s = quant.quantize_per_token(x, fmt=fmt, pow2_scales=pow2)
     assert s.stride() == (1, m)
-    q_ref, s_ref = _ref_quant(x.float().view(m, k // 128, 128), fmt, pow2)
+    q_ref, s_ref = ref_quant_groups(x.float().view(m, k // 128, 128), fmt, pow2)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     st = _steps(q, q_ref.view(m, k))
     assert int(st.max()) <= 1 and float((st > 0).float().mean()) < 1e-4
 
     q, s = quant.quantize_per_block(x, fmt=fmt, pow2_scales=pow2)
     blocks = x.float().view(m // 128, 128, k // 128, 128).permute(0, 2, 1, 3).reshape(m // 128, k // 128, -1)
-    q_ref, s_ref = _ref_quant(blocks, fmt, pow2)
+    q_ref, s_ref = ref_quant_groups(blocks, fmt, pow2)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     q_ref = q_ref.view(m // 128, k // 128, 128, 128).permute(0, 2, 1, 3).reshape(m, k)
     st = _steps(q, q_ref)
@@ -345,7 +336,7 @@ def test_quant_kernels_match_torch(tb, fmt, pow2):
     xx = (torch.randn(t, 2 * i, device="cuda") * 3).to(torch.bfloat16)
     q, s = quant.silu_mul_quantize_per_token(xx, fmt=fmt, pow2_scales=pow2)
     y = torch.nn.functional.silu(xx[:, :i].float()) * xx[:, i:].float()
-    q_ref, s_ref = _ref_quant(y.view(t, i // 128, 128), fmt, pow2)
+    q_ref, s_ref = ref_quant_groups(y.view(t, i // 128, 128), fmt, pow2)
     torch.testing.assert_close(s, s_ref, rtol=1e-5, atol=0)
     st = _steps(q, q_ref.view(t, i))
     assert int(st.max()) <= 1 and float((st > 0).float().mean()) < 1e-3

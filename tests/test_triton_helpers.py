@@ -121,3 +121,15 @@ def ref_grouped_rows(a, sa, ra, b, sb, rb, row_groups) -> torch.Tensor:
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "torch")]
 __all__ += ["GemmKind", "Recipe", "ceil_div"]
+
+
+def ref_quant_groups(x: torch.Tensor, fmt: str, pow2: bool):
+    """x [..., G, 128] fp32 -> (q, scale [..., G]): the semantics of fp8gemm.quant."""
+    dtype = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
+    fmax = torch.finfo(dtype).max
+    amax = x.abs().amax(-1).clamp(min=1e-4)
+    scale = amax / fmax
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (x / scale[..., None]).clamp(-fmax, fmax).to(dtype)
+    return q, scale

@@ -26,11 +26,13 @@ import torch
 try:
     from .test_triton_helpers import (BF16_DIFF, E4M3, E5M2, FP32_DIFF, GemmKind, Recipe,
                                       a_scales, b_scales, calc_diff, ceil_div, dequant_a, dequant_b,
-                                      make_dense, problem, rand_fp8, ref_grouped_rows)
+                                      make_dense, problem, rand_fp8, ref_grouped_rows,
+                                      ref_quant_groups)
 except ImportError:
     from test_triton_helpers import (BF16_DIFF, E4M3, E5M2, FP32_DIFF, GemmKind, Recipe,
                                      a_scales, b_scales, calc_diff, ceil_div, dequant_a, dequant_b,
-                                     make_dense, problem, rand_fp8, ref_grouped_rows)
+                                     make_dense, problem, rand_fp8, ref_grouped_rows,
+                                     ref_quant_groups)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CPU = torch.device("cpu")
@@ -463,18 +465,6 @@ def _fp8_ordinal(q: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0x80, -mag, mag)
 
 
-def _ref_quant_groups(x: torch.Tensor, fmt: str, pow2: bool):
-    """x [..., G, 128] fp32 -> (q, scale [..., G]): the semantics of fp8gemm.quant."""
-    dtype = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
-    fmax = torch.finfo(dtype).max
-    amax = x.abs().amax(-1).clamp(min=1e-4)
-    scale = amax / fmax
-    if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (x / scale[..., None]).clamp(-fmax, fmax).to(dtype)
-    return q, scale
-
-
 def _check_quant(q, s, q_ref, s_ref):
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     # NOTE: under the interpreter the kernels round to the FP8 grid in FP32 arithmetic (its own
@@ -496,7 +486,7 @@ def test_quantize_per_token(tb, fmt, pow2):
     kb = ceil_div(k, 128)
     assert q.shape == (m, k) and s.shape == (m, kb) and s.stride() == (1, 72)
     xp = torch.nn.functional.pad(x.float(), (0, kb * 128 - k)).view(m, kb, 128)
-    q_ref, s_ref = _ref_quant_groups(xp, fmt, pow2)
+    q_ref, s_ref = ref_quant_groups(xp, fmt, pow2)
     _check_quant(q, s, q_ref.view(m, -1)[:, :k], s_ref)
     q2, s2 = tb.quant.quantize_per_token(x.t().contiguous().t(), fmt=fmt, pow2_scales=pow2,
                                          col_major_scales=False)  # column-major input
@@ -561,7 +551,7 @@ def test_quantize_per_block(tb, fmt, pow2):
     assert q.shape == (n, k) and s.shape == (nb, kb)
     wp = torch.nn.functional.pad(w.float(), (0, kb * 128 - k, 0, nb * 128 - n))
     blocks = wp.view(nb, 128, kb, 128).permute(0, 2, 1, 3).reshape(nb, kb, 128 * 128)
-    q_ref, s_ref = _ref_quant_groups(blocks, fmt, pow2)
+    q_ref, s_ref = ref_quant_groups(blocks, fmt, pow2)
     q_ref = q_ref.view(nb, kb, 128, 128).permute(0, 2, 1, 3).reshape(nb * 128, kb * 128)[:n, :k]
     _check_quant(q, s, q_ref, s_ref)
 
@@ -575,7 +565,7 @@ def test_silu_mul_quantize_per_token(tb, fmt):
     assert q.shape == (t, i) and s.shape == (t, kb) and s.stride() == (1, 40)
     y = torch.nn.functional.silu(x[:, :i].float()) * x[:, i:].float()
     yp = torch.nn.functional.pad(y, (0, kb * 128 - i)).view(t, kb, 128)
-    q_ref, s_ref = _ref_quant_groups(yp, fmt, False)
+    q_ref, s_ref = ref_quant_groups(yp, fmt, False)
     _check_quant(q, s, q_ref.view(t, -1)[:, :i], s_ref)
     with pytest.raises(ValueError, match="odd"):
         tb.quant.silu_mul_quantize_per_token(x[:, :5])
