@@ -19,9 +19,8 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
-           "num_threads",
-           "tile_cost", "mma_efficiency",
-           "kernel_source", "build_kernel", "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
+           "num_threads", "tile_cost", "mma_efficiency", "kernel_source", "build_kernel",
+           "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 BLOCK_K = 128
