@@ -74,6 +74,50 @@ def test_deepseek_dense(tb, m, n, k):
     assert calc_diff(out, _ref(a, sa, GRP, b, sb, BLK)) < BF16_DIFF
 
 
+def _gluon_config(tb, prob):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is for sm_90")
+    cfg = tb.config.choose_config(prob, tb.config.device_facts(torch.device("cuda")))
+    assert cfg.gluon, cfg
+    return cfg
+
+
+@pytest.mark.parametrize("m,n,k,out_dtype", [
+    (4096, 4096, 7168, torch.bfloat16), (130, 576, 320, torch.bfloat16),
+    (257, 2112, 7168, torch.float32), (1000, 1000, 1024, torch.bfloat16),
+    (300, 256, 16384, torch.float32), (4096, 7168, 2048, torch.bfloat16),
+    (129, 128, 128, torch.bfloat16)], ids=lambda v: str(v))
+def test_gluon_kernel(tb, m, n, k, out_dtype):
+    """The Gluon kernel (large M, A 1x128 x B 128x128 on sm_90): M and N tails, K tails (K
+    blocks odd and even), long K, bf16 and fp32 out; rows of the buffer past `out` untouched."""
+    a, sa, b, sb = _dense(m, n, k, seed=m * 7 + k)
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, GRP, BLK, out_dtype)
+    cfg = _gluon_config(tb, prob)
+    buf = torch.full((m + 64, n), float("nan"), dtype=out_dtype, device="cuda")
+    out = buf[:m]
+    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, out, None, None)
+    assert not out.isnan().any() and buf[m:].isnan().all()
+    limit = BF16_DIFF if out_dtype is torch.bfloat16 else 1e-8
+    assert calc_diff(out, _ref(a, sa, GRP, b, sb, BLK)) < limit
+    again = torch.empty_like(out)
+    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, again, None, None)
+    assert torch.equal(out, again)  # bit-identical on a second run
+
+
+def test_gluon_unaligned_base_takes_triton_kernel(tb):
+    """A base that is not 16-byte aligned cannot be a TMA operand: same result through the
+    Triton kernel."""
+    m, n, k = 256, 512, 1024
+    a, sa, b, sb = _dense(m, n, k, seed=11)
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, GRP, BLK, torch.bfloat16)
+    cfg = _gluon_config(tb, prob)
+    a_off = torch.empty(m * k + 1, dtype=a.dtype, device="cuda")[1:].view(m, k)
+    a_off.copy_(a)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tb.fp8_gemm.launch_gemm(prob, cfg, a_off, sa, b, sb, out, None, None)
+    assert calc_diff(out, _ref(a, sa, GRP, b, sb, BLK)) < BF16_DIFF
+
+
 @pytest.mark.parametrize("ra", [Recipe.TENSOR, Recipe.ROW, GRP], ids=lambda r: r.value)
 @pytest.mark.parametrize("rb", [Recipe.TENSOR, Recipe.ROW, BLK, GRP], ids=lambda r: r.value)
 @pytest.mark.parametrize("m,n,k", [(96, 4096, 7168), (1000, 1000, 1000), (1, 200, 320)],

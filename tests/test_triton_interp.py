@@ -621,12 +621,45 @@ def test_heuristic_small_m_splits_k(tb):
             cfg.split_k = 1
 
 
+def test_heuristic_large_m_gluon(tb):
+    """Large-M dense A 1x128 x B 128x128 on sm_90 takes the Gluon kernel when its TMA rows fit;
+    with C, an sm_89 part, K % 16 != 0 or out rows not 16-byte multiples, the Triton kernel."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    cfgmod = tb.config
+    facts = cfgmod.DeviceFacts(**H200)
+    a = torch.zeros(1, dtype=E4M3)
+    for m, n, k, out in [(4096, 7168, 16384, torch.bfloat16), (129, 2112, 320, torch.float32)]:
+        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, out)
+        cfg = cfgmod.choose_config(prob, facts)
+        assert cfg.gluon and (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k) == (128, 128, 8, 1)
+        # the stage ring and the epilogue tile fit shared memory
+        assert cfg.num_stages * 2 * 128 * 128 + 128 * 128 * out.itemsize <= facts.smem_per_block
+        assert cfg.num_programs == min(facts.num_sms, ceil_div(m, 128) * ceil_div(n, 128))
+        cands = cfgmod.candidate_configs(prob, facts)
+        assert cands[0] is cfg and any(not c.gluon for c in cands)
+    ada = cfgmod.DeviceFacts(**{**H200, "capability": (8, 9)})
+    for prob, f in [(problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                             torch.bfloat16, has_c=True), facts),
+                    (problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                             torch.bfloat16), ada),
+                    (problem(GemmKind.DENSE, 4096, 4096, 7000, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                             torch.bfloat16), facts),
+                    (problem(GemmKind.DENSE, 4096, 4100, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                             torch.bfloat16), facts),
+                    (problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.ROW, Recipe.BLOCK,
+                             torch.bfloat16), facts),
+                    (problem(GemmKind.DENSE, 128, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                             torch.bfloat16), facts)]:
+        assert not cfgmod.choose_config(prob, f).gluon, prob
+
+
 def test_heuristic_large_m(tb):
+    """The Triton kernel's large-M choices (recipes the Gluon kernel does not take)."""
     cfgmod = tb.config
     facts = cfgmod.DeviceFacts(**H200)
     a = torch.zeros(1, dtype=E4M3)
     for m, n, k in [(4096, 7168, 16384), (4096, 2112, 7168), (4096, 32768, 512)]:
-        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.ROW, Recipe.BLOCK, torch.bfloat16)
         cfg = cfgmod.choose_config(prob, facts)
         assert cfg.split_k == 1 and cfg.block_m == 128
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k

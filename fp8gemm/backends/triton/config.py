@@ -25,7 +25,7 @@ except ImportError:  # not POSIX: the autotune file is written without a cross-p
 from ..._files import write_atomic
 from ..._settings import settings
 from ...layout import _SmCount
-from ...problem import GemmKind, GemmProblem, ceil_div
+from ...problem import GemmKind, GemmProblem, Recipe, ceil_div
 
 __all__ = ["DeviceFacts", "GemmConfig", "device_facts", "candidate_configs", "choose_config",
            "load_tuned", "store_tuned"]
@@ -69,6 +69,7 @@ class GemmConfig:
     use_tma: bool  # tensor descriptors for the A and B loads (sm_90+, 16-byte aligned rows)
     num_programs: int  # persistent grid size cap (programs loop over tiles)
     flatten: bool = False  # dense: one software pipeline across tiles (tl.range(flatten=True))
+    gluon: bool = False  # dense A 1x128 x B 128x128 on sm_90: the Gluon kernel (gluon_fp8_gemm)
 
     def __post_init__(self) -> None:
         # NOTE: the kernel indexes K-varying scales by K tile, so a K tile must be one scale
@@ -78,7 +79,9 @@ class GemmConfig:
             ("block_k", self.block_k == SCALE_BLOCK), ("group_m", self.group_m >= 1),
             ("split_k", self.split_k >= 1), ("num_stages", self.num_stages >= 1),
             ("num_warps", self.num_warps in (1, 2, 4, 8, 16)),
-            ("num_programs", self.num_programs >= 1)) if not ok]
+            ("num_programs", self.num_programs >= 1),
+            ("gluon", not self.gluon or (self.block_m, self.block_n, self.num_warps,
+                                         self.split_k) == (128, 128, 8, 1))) if not ok]
         if bad:
             raise ValueError(f"invalid GemmConfig ({', '.join(bad)}): tiles must be powers of two "
                              f">= 16 with BLOCK_K = {SCALE_BLOCK}, counts positive")
@@ -87,7 +90,7 @@ class GemmConfig:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
                 f"GROUP_M={self.group_m} SPLIT_K={self.split_k} stages={self.num_stages} "
                 f"warps={self.num_warps} tma={int(self.use_tma)} programs={self.num_programs}"
-                f"{' flat' if self.flatten else ''}")
+                f"{' flat' if self.flatten else ''}{' gluon' if self.gluon else ''}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,7 +101,7 @@ class GemmConfig:
         required = {f.name for f in fields(GemmConfig) if f.default is MISSING}
         if not required <= set(d) <= names:
             raise ValueError(f"config fields must be {sorted(names)}, got {sorted(d)}")
-        return GemmConfig(**{k: (bool(v) if k in ("use_tma", "flatten") else int(v))
+        return GemmConfig(**{k: (bool(v) if k in ("use_tma", "flatten", "gluon") else int(v))
                             for k, v in d.items()})
 
 
@@ -202,6 +205,35 @@ def _valid_split(k_blocks: int, split: int) -> bool:
     return split == 1 or (k_blocks % split == 0 and k_blocks // split >= 2)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_gluon() -> bool:
+    try:
+        from . import gluon_fp8_gemm  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
+
+
+def gluon_eligible(problem: GemmProblem, facts: DeviceFacts) -> bool:
+    """Whether the Gluon kernel takes `problem`: sm_90, dense, A 1x128 x B 128x128, no C, rows
+    of A, B (K % 16 == 0) and out (16-byte multiples) fit TMA."""
+    out_bytes = problem.out_dtype.itemsize
+    return (facts.capability == (9, 0) and not facts.interpreter
+            and problem.kind is GemmKind.DENSE and not problem.has_c
+            and problem.a_recipe is Recipe.GROUP and problem.b_recipe is Recipe.BLOCK
+            and problem.k % 16 == 0 and problem.n * out_bytes % 16 == 0 and _has_gluon())
+
+
+def _gluon_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
+    # NOTE: 128x128 tiles with two accumulators per consumer warpgroup (3 x 64 FP32 registers a
+    # thread); stages as deep as shared memory allows next to the epilogue tile.
+    epilogue = 128 * 128 * problem.out_dtype.itemsize
+    stages = max(2, min(6, (facts.smem_per_block - epilogue - 1024) // (2 * 128 * SCALE_BLOCK)))
+    tiles = ceil_div(problem.m, 128) * ceil_div(problem.n, 128)
+    return GemmConfig(128, 128, SCALE_BLOCK, 8, 1, stages, 8, True,
+                      max(1, min(tiles, facts.num_sms)), False, True)
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     """The heuristic config. Small M (memory bound): the tile and split-K that minimise the
@@ -209,8 +241,11 @@ def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     (tensor-core bound): 128x128 tiles, or 128x64 with two programs per SM for narrow N / short
     K. Dense GEMMs with few K tiles (<= 16 at small M, <= 4 at large M) run the tile and K loops
     as one flattened pipeline (the next tile's loads overlap this tile's epilogue). Pipelines
-    as deep as shared memory allows."""
+    as deep as shared memory allows. Large-M dense GEMMs of the fine-grained recipe on sm_90
+    take the Gluon kernel (MMA and promotion overlap within a warpgroup)."""
     rows = _rows_per_group(problem)
+    if rows > 128 and gluon_eligible(problem, facts):
+        return _gluon_config(problem, facts)
     k_blocks = ceil_div(problem.k, SCALE_BLOCK)
     use_tma = facts.has_tma and not facts.interpreter and problem.k % 16 == 0
     dense = problem.kind is GemmKind.DENSE
@@ -262,7 +297,8 @@ def _make_config(problem: GemmProblem, facts: DeviceFacts, tile: _Tile, split: i
 
 def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GemmConfig]:
     """Configs the autotuner times: the heuristic's choice first, then the other tiles, even
-    K splits (dense), the flattened pipeline on and off, one stage fewer, and pointer loads."""
+    K splits (dense), one stage fewer, the Triton kernel in place of the Gluon one, the
+    flattened pipeline on and off, and pointer loads."""
     base = choose_config(problem, facts)
     out = [base]
 
@@ -279,10 +315,12 @@ def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GemmConf
             if split > 1 and not facts.num_sms // 2 <= ctas <= 2 * facts.num_sms:
                 continue  # splits only to fill the SMs about once
             add(_make_config(problem, facts, tile, split, base.flatten, base.use_tma))
-    if dense and base.split_k == 1:
-        add(replace(base, flatten=not base.flatten))
     if base.num_stages > 2:
         add(replace(base, num_stages=base.num_stages - 1))
+    base = replace(base, gluon=False)  # the variants below are the Triton kernel's
+    add(base)
+    if dense and base.split_k == 1:
+        add(replace(base, flatten=not base.flatten))
     if base.use_tma:
         add(replace(base, use_tma=False))
     return out

@@ -17,6 +17,7 @@ Kernel -> launch wrapper; tests in tests/test_triton_*.py, timings in scripts/tr
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import triton
@@ -398,6 +399,16 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
     mmax = a.shape[1] if masked else 0
     if m_a == 0 or n == 0:
         return
+    if cfg.gluon:
+        if _tma_ok(a, k) and _tma_ok(b, k) and out.data_ptr() % 16 == 0:
+            from .gluon_fp8_gemm import launch_gluon_gemm
+
+            launch_gluon_gemm(a, sa, b, sb, out, cfg.block_m, cfg.block_n, cfg.num_stages,
+                              cfg.group_m, cfg.num_programs)
+            return
+        # NOTE: a base not 16-byte aligned (a view into a buffer) cannot be a TMA operand; the
+        # Triton kernel takes the same tile with pointer loads.
+        cfg = replace(cfg, gluon=False)
     use_tma = cfg.use_tma and _tma_ok(a, k) and _tma_ok(b, k)
     split, main_meta, second_meta = _launch_consts(problem, cfg, use_tma, c is not None)
 

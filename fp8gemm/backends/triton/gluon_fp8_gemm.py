@@ -1,0 +1,230 @@
+"""Dense FP8 NT GEMM for sm_90 in Gluon (Triton's tile-level language): A 1x128, B 128x128.
+
+D[m, n] = sum_k A[m, k] * B[n, k] * sa[m, k // 128] * sb[n // 128, k // 128], FP32 accumulation.
+
+Why a second kernel: the fine-grained recipe needs each 128-deep partial sum in registers to
+scale it, and `tl.dot` then waits for its wgmma group right after issuing it, so MMA and
+promotion serialise within a warpgroup (docs/triton.md). Gluon states the waits itself:
+
+- a loader warp (warp specialisation) streams A and B tiles through a ring of STAGES shared
+  memory buffers with TMA, guarded by `ready` / `empty` mbarriers;
+- the consumer warpgroups (num_warps = 8: two m64 halves of a 128-row tile) issue the wgmma of
+  K block kb + 1 before they wait for K block kb (`warpgroup_mma_wait(1)`), so the FFMA
+  promotion of kb overlaps the tensor cores working on kb + 1 (two accumulators in flight);
+- persistent over output tiles in an L2-grouped order; the epilogue goes through shared memory
+  and a TMA store, which clips rows and columns outside `out` and runs while the next tile's
+  loads proceed.
+
+Taken by the Triton backend for dense GEMMs at large M on sm_90 when the rows of A, B and `out`
+are 16-byte aligned and no C is given; everything else runs `fp8_gemm._fp8_gemm_nt_kernel`.
+Not available under TRITON_INTERPRET (Gluon has no interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["launch_gluon_gemm", "gluon_layouts"]
+
+# NOTE: 8 consumer warps + 1 loader warp occupy 12 warps' register slots (allocation is per
+# warpgroup): maxnreg = 65536 / 384 rounded down to 8; setmaxnreg then gives the loader
+# warpgroup _LOADER_REGS and the consumers the rest (232).
+_LOADER_REGS = gl.constexpr(40)
+_MAXNREG = 168
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(m tile, n tile) of a linear tile index: GROUP_M m tiles share each n tile (L2 reuse)."""
+    width = GROUP_M * num_pid_n
+    first_m = (tile // width) * GROUP_M
+    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % group_size
+    pid_n = (tile % width) // group_size
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """Producer: one TMA load of A and one of B per K block into the ring's next stage."""
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_blocks = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        for kb in range(k_blocks):
+            s = it % STAGES
+            # NOTE: a fresh mbarrier counts as having completed the phase before phase 0, so
+            # the first pass over the ring does not wait.
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K],
+                                            ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * BLOCK_K],
+                                            ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _issue_mma(a_bufs, b_bufs, ready, it, regs, STAGES: gl.constexpr):
+    """Wait for K step `it`'s tiles and start its wgmma into a fresh accumulator held in the
+    registers of `regs` (a finished accumulator: use_acc=False ignores its values)."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), regs,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _scales(sa_rows, sb_tile, kb, k_blocks, m_ok, stride_sak, stride_sbk):
+    """sa[rows, kb] * sb[n block, kb] (zeros past the last K block)."""
+    in_k = kb < k_blocks
+    sa = gl.load(sa_rows + kb * stride_sak, mask=m_ok & in_k, other=0.0)
+    sb = gl.load(sb_tile + kb * stride_sbk, mask=in_k, other=0.0)
+    return sa * sb
+
+
+@gluon.jit
+def _promote(total, acc, scale, OUTSTANDING: gl.constexpr, empty, it, STAGES: gl.constexpr):
+    """Wait until at most OUTSTANDING wgmma groups are in flight (`acc`'s is done), free its
+    stage for the loader and add acc * scale (per row) to the FP32 sum. Returns (acc, sum)."""
+    acc = warpgroup_mma_wait(OUTSTANDING, deps=(acc, ))
+    mbarrier.arrive(empty.index(it % STAGES), count=1)
+    total = total + acc * gl.expand_dims(scale, 1)
+    # NOTE: a side-effecting no-op that the sum passes through pins the FFMAs before the next
+    # wgmma (also side-effecting); scheduled after it, they keep `acc`'s registers live while
+    # the next wgmma wants them, and ptxas copies and serialises (C7514 / C7515).
+    total = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [total], dtype=gl.float32,
+                                      is_pure=False, pack=1)
+    return acc, total
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, sa_ptr, sb_ptr, M, N, K,
+              stride_sam, stride_sak, stride_sbn, stride_sbk,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Consumers: wgmma per K block into a fresh accumulator, promoted with its scales into the
+    FP32 sum while the next K block's wgmma runs; then the epilogue."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_blocks = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        sa_rows = sa_ptr + offs_m * stride_sam
+        m_ok = offs_m < M
+        # NOTE: BLOCK_N divides 128, so the tile lies in one 128-wide scale block of B
+        sb_tile = sb_ptr + (pid_n * BLOCK_N // 128) * stride_sbn
+        # NOTE: two accumulators alternate, unrolled by two, and each new wgmma writes the
+        # registers of the accumulator it replaces: an in-flight accumulator that is copied to
+        # other registers (a loop-carried value the compiler renames) makes ptxas serialise
+        # every wgmma (C7514 / C7515).
+        # NOTE: the scales of K blocks kb + 2 and kb + 3 are loaded while kb and kb + 1 are
+        # promoted: a load issued just before its use stalls the warpgroup for its L2 latency.
+        sc_x = _scales(sa_rows, sb_tile, 0, k_blocks, m_ok, stride_sak, stride_sbk)
+        sc_y = _scales(sa_rows, sb_tile, 1, k_blocks, m_ok, stride_sak, stride_sbk)
+        total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        acc_y = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        acc_x = _issue_mma(a_bufs, b_bufs, ready, it, acc_y, STAGES)
+        for kb in range(0, k_blocks - 2, 2):
+            acc_y = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
+            nx = _scales(sa_rows, sb_tile, kb + 2, k_blocks, m_ok, stride_sak, stride_sbk)
+            ny = _scales(sa_rows, sb_tile, kb + 3, k_blocks, m_ok, stride_sak, stride_sbk)
+            acc_x, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
+            acc_x = _issue_mma(a_bufs, b_bufs, ready, it + 2, acc_x, STAGES)
+            acc_y, total = _promote(total, acc_y, sc_y, 1, empty, it + 1, STAGES)
+            sc_x = nx
+            sc_y = ny
+            it += 2
+        if k_blocks % 2 == 0:
+            last = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
+            _, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
+            _, total = _promote(total, last, sc_y, 0, empty, it + 1, STAGES)
+            it += 2
+        else:
+            _, total = _promote(total, acc_x, sc_x, 0, empty, it, STAGES)
+            it += 1
+        # epilogue: the previous tile's TMA store must have read c_smem before it is rewritten
+        tma.store_wait(0)
+        c_smem.store(total.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, M, N, K,
+                           stride_sam, stride_sak, stride_sbn, stride_sbk,
+                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_K == 128, "a K block is one scale block")
+    gl.static_assert(128 % BLOCK_N == 0, "an n tile must lie in one 128-wide scale block of B")
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
+                                       a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
+                                       b_desc.layout)
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, sa_ptr, sb_ptr, M, N, K,
+                     stride_sam, stride_sak, stride_sbn, stride_sbk,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+    ], [1], [_LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------
+# launch wrapper
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_layouts(a: torch.dtype, b: torch.dtype, out: torch.dtype, block_m: int, block_n: int,
+                  block_k: int):
+    """Shared-memory layouts of the A, B and out tiles (128-byte swizzle where the row allows)."""
+    g = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
+         torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+    return (gl.NVMMASharedLayout.get_default_for([block_m, block_k], g[a]),
+            gl.NVMMASharedLayout.get_default_for([block_n, block_k], g[b]),
+            gl.NVMMASharedLayout.get_default_for([block_m, block_n], g[out]))
+
+
+def launch_gluon_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                      out: torch.Tensor, block_m: int, block_n: int, stages: int, group_m: int,
+                      num_programs: int) -> None:
+    """out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T with sa [M, K/128] (any strides) and sb
+    [N/128, K/128] (any strides); a, b, out row-major with 16-byte aligned rows."""
+    m, k = a.shape
+    n = b.shape[0]
+    la, lb, lo = gluon_layouts(a.dtype, b.dtype, out.dtype, block_m, block_n, 128)
+    a_desc = TensorDescriptor(a, [m, k], [k, 1], [block_m, 128], la)
+    b_desc = TensorDescriptor(b, [n, k], [k, 1], [block_n, 128], lb)
+    o_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [block_m, block_n], lo)
+    _gluon_fp8_gemm_kernel[(num_programs,)](
+        a_desc, b_desc, o_desc, sa, sb, m, n, k,
+        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+        GROUP_M=group_m, STAGES=stages, num_warps=8, maxnreg=_MAXNREG)
