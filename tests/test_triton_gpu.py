@@ -285,6 +285,27 @@ def test_masked_deepseek(tb, groups, mmax, n, k):
             assert calc_diff(out[gi, :rows], ref[gi, :rows]) < BF16_DIFF
 
 
+@pytest.mark.parametrize("groups,mmax,n,k,mm", [
+    (4, 200, 576, 320, (200, 0, 130, 1000)), (3, 512, 4096, 7168, (512, 37, 300)),
+    (2, 1024, 7168, 2048, (1024, 900))], ids=lambda v: str(v))
+def test_gluon_masked(tb, groups, mmax, n, k, mm):
+    """Masked GEMMs through the Gluon kernel (expected_m > 128): empty groups, masked_m past
+    Mmax, Mmax not a multiple of the tile, partial last tiles; rows >= masked_m untouched."""
+    a, sa, b, sb = _masked_setup(groups, mmax, n, k, 61)
+    masked_m = torch.tensor(mm, dtype=torch.int32, device="cuda")
+    prob = problem(GemmKind.MASKED, mmax, n, k, groups, a, b, GRP, BLK, torch.bfloat16,
+                   expected_m=mmax)
+    _gluon_config(tb, prob)
+    out = torch.full((groups, mmax, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tb.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, prob)
+    ref = _ref(a, sa, GRP, b, sb, BLK, grouped=True)
+    for gi in range(groups):
+        rows = min(mm[gi], mmax)
+        assert out[gi, rows:].isnan().all()
+        if rows:
+            assert calc_diff(out[gi, :rows], ref[gi, :rows]) < BF16_DIFF
+
+
 def test_masked_a_scales_token_major(tb):
     """Masked A scales stored token-major ([Mmax, G, kb] in memory, viewed as [G, Mmax, kb]):
     the last m tile of group 1 runs past Mmax, where rows' scales would lie outside the tensor.

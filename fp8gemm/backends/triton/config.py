@@ -215,11 +215,11 @@ def _has_gluon() -> bool:
 
 
 def gluon_eligible(problem: GemmProblem, facts: DeviceFacts) -> bool:
-    """Whether the Gluon kernel takes `problem`: sm_90, dense, A 1x128 x B 128x128, no C, rows
-    of A, B (K % 16 == 0) and out (16-byte multiples) fit TMA."""
+    """Whether the Gluon kernel takes `problem`: sm_90, dense or masked, A 1x128 x B 128x128,
+    no C, rows of A, B (K % 16 == 0) and out (16-byte multiples) fit TMA."""
     out_bytes = problem.out_dtype.itemsize
     return (facts.capability == (9, 0) and not facts.interpreter
-            and problem.kind is GemmKind.DENSE and not problem.has_c
+            and problem.kind in (GemmKind.DENSE, GemmKind.MASKED) and not problem.has_c
             and problem.a_recipe is Recipe.GROUP and problem.b_recipe is Recipe.BLOCK
             and problem.k % 16 == 0 and problem.n * out_bytes % 16 == 0 and _has_gluon())
 
@@ -229,7 +229,7 @@ def _gluon_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     # thread); stages as deep as shared memory allows next to the epilogue tile.
     epilogue = 128 * 128 * problem.out_dtype.itemsize
     stages = max(2, min(6, (facts.smem_per_block - epilogue - 1024) // (2 * 128 * SCALE_BLOCK)))
-    tiles = ceil_div(problem.m, 128) * ceil_div(problem.n, 128)
+    tiles = problem.groups * ceil_div(problem.m, 128) * ceil_div(problem.n, 128)
     return GemmConfig(128, 128, SCALE_BLOCK, 8, 1, stages, 8, True,
                       max(1, min(tiles, facts.num_sms)), False, True)
 
@@ -241,8 +241,8 @@ def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     (tensor-core bound): 128x128 tiles, or 128x64 with two programs per SM for narrow N / short
     K. Dense GEMMs with few K tiles (<= 16 at small M, <= 4 at large M) run the tile and K loops
     as one flattened pipeline (the next tile's loads overlap this tile's epilogue). Pipelines
-    as deep as shared memory allows. Large-M dense GEMMs of the fine-grained recipe on sm_90
-    take the Gluon kernel (MMA and promotion overlap within a warpgroup)."""
+    as deep as shared memory allows. Large-M dense and masked GEMMs of the fine-grained recipe
+    on sm_90 take the Gluon kernel (MMA and promotion overlap within a warpgroup)."""
     rows = _rows_per_group(problem)
     if rows > 128 and gluon_eligible(problem, facts):
         return _gluon_config(problem, facts)

@@ -403,8 +403,12 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
         if _tma_ok(a, k) and _tma_ok(b, k) and out.data_ptr() % 16 == 0:
             from .gluon_fp8_gemm import launch_gluon_gemm
 
-            launch_gluon_gemm(a, sa, b, sb, out, cfg.block_m, cfg.block_n, cfg.num_stages,
-                              cfg.group_m, cfg.num_programs)
+            strides = (_scale_strides(sa, problem.a_recipe, masked)
+                       + _scale_strides(sb, problem.b_recipe, grouped_b))
+            launch_gluon_gemm(a.view(m_a, k), b.view(-1, k), out.view(m_a, n), sa, sb, strides,
+                              groups, a.shape[1] if masked else m_a, idx if masked else None,
+                              cfg.block_m, cfg.block_n, cfg.num_stages, cfg.group_m,
+                              cfg.num_programs)
             return
         # NOTE: a base not 16-byte aligned (a view into a buffer) cannot be a TMA operand; the
         # Triton kernel takes the same tile with pointer loads.

@@ -52,28 +52,52 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+def _tile_info(tile, num_pid_m, num_pid_n, mm_ptr, MMAX, MASKED: gl.constexpr,
+               GROUP_M: gl.constexpr):
+    """(group, m tile, n tile, rows of the group) of a linear tile index. Masked: the tiles of
+    group g come after those of g - 1; its rows are min(masked_m[g], Mmax), read on the GPU."""
+    if MASKED:
+        per_group = num_pid_m * num_pid_n
+        g = tile // per_group
+        pid_m, pid_n = _tile_coords(tile % per_group, num_pid_m, num_pid_n, GROUP_M)
+        rows = gl.minimum(gl.maximum(gl.load(mm_ptr + g), 0), MMAX)
+    else:
+        g = tile * 0
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        rows = MMAX
+    return g, pid_m, pid_n, rows
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, mm_ptr, shape,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
     """Producer: one TMA load of A and one of B per K block into the ring's next stage."""
-    num_pid_m = gl.cdiv(M, BLOCK_M)
+    N, K, G, MMAX = shape
+    num_pid_m = gl.cdiv(MMAX, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_blocks = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        for kb in range(k_blocks):
-            s = it % STAGES
-            # NOTE: a fresh mbarrier counts as having completed the phase before phase 0, so
-            # the first pass over the ring does not wait.
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K],
-                                            ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * BLOCK_K],
-                                            ready.index(s), b_bufs.index(s))
-            it += 1
+    for tile in range(gl.program_id(0), G * num_pid_m * num_pid_n, gl.num_programs(0)):
+        g, pid_m, pid_n, rows = _tile_info(tile, num_pid_m, num_pid_n, mm_ptr, MMAX, MASKED,
+                                           GROUP_M)
+        if pid_m * BLOCK_M < rows:
+            # NOTE: A and B are [G * rows, K] matrices; a box that runs past its group reads
+            # the next group's rows, which only feed output rows / columns never stored.
+            a_row = g * MMAX + pid_m * BLOCK_M
+            b_row = g * N + pid_n * BLOCK_N
+            for kb in range(k_blocks):
+                s = it % STAGES
+                # NOTE: a fresh mbarrier counts as having completed the phase before phase 0,
+                # so the first pass over the ring does not wait.
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                tma.async_copy_global_to_shared(a_desc, [a_row, kb * BLOCK_K], ready.index(s),
+                                                a_bufs.index(s))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK_K], ready.index(s),
+                                                b_bufs.index(s))
+                it += 1
 
 
 @gluon.jit
@@ -111,67 +135,96 @@ def _promote(total, acc, scale, OUTSTANDING: gl.constexpr, empty, it, STAGES: gl
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, sa_ptr, sb_ptr, M, N, K,
-              stride_sam, stride_sak, stride_sbn, stride_sbk,
+def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr, sb_ptr,
+              mm_ptr, shape, sstrides,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+              num_warps: gl.constexpr):
     """Consumers: wgmma per K block into a fresh accumulator, promoted with its scales into the
     FP32 sum while the next K block's wgmma runs; then the epilogue."""
+    N, K, G, MMAX = shape
+    stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk = sstrides
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_pid_m = gl.cdiv(MMAX, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-        sa_rows = sa_ptr + offs_m * stride_sam
-        m_ok = offs_m < M
-        # NOTE: BLOCK_N divides 128, so the tile lies in one 128-wide scale block of B
-        sb_tile = sb_ptr + (pid_n * BLOCK_N // 128) * stride_sbn
-        # NOTE: two accumulators alternate, unrolled by two, and each new wgmma writes the
-        # registers of the accumulator it replaces: an in-flight accumulator that is copied to
-        # other registers (a loop-carried value the compiler renames) makes ptxas serialise
-        # every wgmma (C7514 / C7515).
-        # NOTE: the scales of K blocks kb + 2 and kb + 3 are loaded while kb and kb + 1 are
-        # promoted: a load issued just before its use stalls the warpgroup for its L2 latency.
-        sc_x = _scales(sa_rows, sb_tile, 0, k_blocks, m_ok, stride_sak, stride_sbk)
-        sc_y = _scales(sa_rows, sb_tile, 1, k_blocks, m_ok, stride_sak, stride_sbk)
-        total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        acc_y = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-        acc_x = _issue_mma(a_bufs, b_bufs, ready, it, acc_y, STAGES)
-        for kb in range(0, k_blocks - 2, 2):
-            acc_y = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
-            nx = _scales(sa_rows, sb_tile, kb + 2, k_blocks, m_ok, stride_sak, stride_sbk)
-            ny = _scales(sa_rows, sb_tile, kb + 3, k_blocks, m_ok, stride_sak, stride_sbk)
-            acc_x, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
-            acc_x = _issue_mma(a_bufs, b_bufs, ready, it + 2, acc_x, STAGES)
-            acc_y, total = _promote(total, acc_y, sc_y, 1, empty, it + 1, STAGES)
-            sc_x = nx
-            sc_y = ny
-            it += 2
-        if k_blocks % 2 == 0:
-            last = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
-            _, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
-            _, total = _promote(total, last, sc_y, 0, empty, it + 1, STAGES)
-            it += 2
-        else:
-            _, total = _promote(total, acc_x, sc_x, 0, empty, it, STAGES)
-            it += 1
-        # epilogue: the previous tile's TMA store must have read c_smem before it is rewritten
-        tma.store_wait(0)
-        c_smem.store(total.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+    for tile in range(gl.program_id(0), G * num_pid_m * num_pid_n, gl.num_programs(0)):
+        g, pid_m, pid_n, rows = _tile_info(tile, num_pid_m, num_pid_n, mm_ptr, MMAX, MASKED,
+                                           GROUP_M)
+        if pid_m * BLOCK_M < rows:
+            it = _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om,
+                       sa_ptr, sb_ptr, g, pid_m, pid_n, rows, it, N, k_blocks, MMAX,
+                       stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+                       BLOCK_M, BLOCK_N, STAGES, mma_layout, row_layout, col_layout)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, M, N, K,
-                           stride_sam, stride_sak, stride_sbn, stride_sbk,
-                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr, sb_ptr,
+          g, pid_m, pid_n, rows, it, N, k_blocks, MMAX,
+          stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          mma_layout: gl.constexpr, row_layout: gl.constexpr, col_layout: gl.constexpr):
+    """One output tile: the K loop, then the store. Returns the K step counter."""
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    sa_rows = sa_ptr + g * stride_sag + offs_m * stride_sam
+    m_ok = offs_m < rows
+    # NOTE: BLOCK_N divides 128, so the tile lies in one 128-wide scale block of B
+    sb_tile = sb_ptr + g * stride_sbg + (pid_n * BLOCK_N // 128) * stride_sbn
+    # NOTE: the scales of K blocks kb + 2 and kb + 3 are loaded while kb and kb + 1 are
+    # promoted: a load issued just before its use stalls the warpgroup for its L2 latency.
+    sc_x = _scales(sa_rows, sb_tile, 0, k_blocks, m_ok, stride_sak, stride_sbk)
+    sc_y = _scales(sa_rows, sb_tile, 1, k_blocks, m_ok, stride_sak, stride_sbk)
+    total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    acc_y = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+    acc_x = _issue_mma(a_bufs, b_bufs, ready, it, acc_y, STAGES)
+    for kb in range(0, k_blocks - 2, 2):
+        acc_y = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
+        nx = _scales(sa_rows, sb_tile, kb + 2, k_blocks, m_ok, stride_sak, stride_sbk)
+        ny = _scales(sa_rows, sb_tile, kb + 3, k_blocks, m_ok, stride_sak, stride_sbk)
+        acc_x, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
+        acc_x = _issue_mma(a_bufs, b_bufs, ready, it + 2, acc_x, STAGES)
+        acc_y, total = _promote(total, acc_y, sc_y, 1, empty, it + 1, STAGES)
+        sc_x = nx
+        sc_y = ny
+        it += 2
+    if k_blocks % 2 == 0:
+        last = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
+        _, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
+        _, total = _promote(total, last, sc_y, 0, empty, it + 1, STAGES)
+        it += 2
+    else:
+        _, total = _promote(total, acc_x, sc_x, 0, empty, it, STAGES)
+        it += 1
+    # epilogue: full tiles through shared memory and a TMA store (it clips columns past
+    # N); a tile holding the group's last rows with register stores under a row mask, so
+    # that rows past them stay untouched (masked: rows >= masked_m[g]).
+    row0 = g * MMAX + pid_m * BLOCK_M
+    if pid_m * BLOCK_M + BLOCK_M <= rows:
+        # the previous tile's TMA store must have read c_smem before it is rewritten
+        tma.store_wait(0)
+        c_smem.store(total.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N], c_smem)
+    else:
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        out_rows = (g * MMAX + offs_m).to(gl.int64) * stride_om
+        ptrs = out_ptr + gl.expand_dims(out_rows, 1) + gl.expand_dims(offs_n, 0)
+        mask = gl.expand_dims(m_ok, 1) & gl.expand_dims(offs_n < N, 0)
+        gl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    return it
+
+
+@gluon.jit
+def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, mm_ptr,
+                           N, K, G, MMAX, stride_om,
+                           stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+                           MASKED: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -189,12 +242,14 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, sa_ptr, sb_ptr, M, N, K,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
+    shape = (N, K, G, MMAX)
+    sstrides = (stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, sa_ptr, sb_ptr, M, N, K,
-                     stride_sam, stride_sak, stride_sbn, stride_sbk,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr,
+                     sb_ptr, mm_ptr, shape, sstrides,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MASKED, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, mm_ptr, shape,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MASKED)),
     ], [1], [_LOADER_REGS])
 
 
@@ -213,18 +268,22 @@ def gluon_layouts(a: torch.dtype, b: torch.dtype, out: torch.dtype, block_m: int
             gl.NVMMASharedLayout.get_default_for([block_m, block_n], g[out]))
 
 
-def launch_gluon_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                      out: torch.Tensor, block_m: int, block_n: int, stages: int, group_m: int,
-                      num_programs: int) -> None:
-    """out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T with sa [M, K/128] (any strides) and sb
-    [N/128, K/128] (any strides); a, b, out row-major with 16-byte aligned rows."""
-    m, k = a.shape
-    n = b.shape[0]
+def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sa: torch.Tensor,
+                      sb: torch.Tensor, scale_strides: tuple[int, ...], groups: int, mmax: int,
+                      masked_m: torch.Tensor | None, block_m: int, block_n: int, stages: int,
+                      group_m: int, num_programs: int) -> None:
+    """out[g * mmax + m, n] = sum_k a[g * mmax + m, k] b[g * n_per + n, k] sa sb for the rows
+    m < min(masked_m[g], mmax) (all mmax rows when masked_m is None: dense, groups = 1).
+    a [G * mmax, K], b [G * N, K], out [G * mmax, N]: row-major, 16-byte aligned rows; scales
+    at any strides, scale_strides = (sa group, row, k, sb group, n block, k)."""
+    k = a.shape[1]
+    n = out.shape[1]
     la, lb, lo = gluon_layouts(a.dtype, b.dtype, out.dtype, block_m, block_n, 128)
-    a_desc = TensorDescriptor(a, [m, k], [k, 1], [block_m, 128], la)
-    b_desc = TensorDescriptor(b, [n, k], [k, 1], [block_n, 128], lb)
-    o_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [block_m, block_n], lo)
+    a_desc = TensorDescriptor(a, list(a.shape), [k, 1], [block_m, 128], la)
+    b_desc = TensorDescriptor(b, list(b.shape), [k, 1], [block_n, 128], lb)
+    o_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m, block_n], lo)
+    masked = masked_m is not None
     _gluon_fp8_gemm_kernel[(num_programs,)](
-        a_desc, b_desc, o_desc, sa, sb, m, n, k,
-        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-        GROUP_M=group_m, STAGES=stages, num_warps=8, maxnreg=_MAXNREG)
+        a_desc, b_desc, o_desc, out, sa, sb, masked_m if masked else sa,
+        n, k, groups, mmax, out.stride(0), *scale_strides,
+        MASKED=masked, GROUP_M=group_m, STAGES=stages, num_warps=8, maxnreg=_MAXNREG)
