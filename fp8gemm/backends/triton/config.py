@@ -28,7 +28,7 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, ceil_div
 
 __all__ = ["DeviceFacts", "GemmConfig", "device_facts", "candidate_configs", "choose_config",
-           "load_tuned", "store_tuned"]
+           "gluon_eligible", "triton_twin", "load_tuned", "store_tuned"]
 
 # Scales are given per 128 of K (1x128 groups, 128x128 blocks); the K tile is one scale block, so
 # the partial sum of every tile is promoted to FP32 (and scaled) every 128 of K.
@@ -215,11 +215,11 @@ def _has_gluon() -> bool:
 
 
 def gluon_eligible(problem: GemmProblem, facts: DeviceFacts) -> bool:
-    """Whether the Gluon kernel takes `problem`: sm_90, dense or masked, A 1x128 x B 128x128,
-    no C, rows of A, B (K % 16 == 0) and out (16-byte multiples) fit TMA."""
+    """Whether the Gluon kernel takes `problem`: sm_90, dense, contiguous or masked, A 1x128 x
+    B 128x128, no C, rows of A, B (K % 16 == 0) and out (16-byte multiples) fit TMA."""
     out_bytes = problem.out_dtype.itemsize
     return (facts.capability == (9, 0) and not facts.interpreter
-            and problem.kind in (GemmKind.DENSE, GemmKind.MASKED) and not problem.has_c
+            and problem.kind is not GemmKind.OFFSETS and not problem.has_c
             and problem.a_recipe is Recipe.GROUP and problem.b_recipe is Recipe.BLOCK
             and problem.k % 16 == 0 and problem.n * out_bytes % 16 == 0 and _has_gluon())
 
@@ -229,9 +229,16 @@ def _gluon_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     # thread); stages as deep as shared memory allows next to the epilogue tile.
     epilogue = 128 * 128 * problem.out_dtype.itemsize
     stages = max(2, min(6, (facts.smem_per_block - epilogue - 1024) // (2 * 128 * SCALE_BLOCK)))
-    tiles = problem.groups * ceil_div(problem.m, 128) * ceil_div(problem.n, 128)
+    groups = problem.groups if problem.kind is GemmKind.MASKED else 1
+    tiles = groups * ceil_div(problem.m, 128) * ceil_div(problem.n, 128)
     return GemmConfig(128, 128, SCALE_BLOCK, 8, 1, stages, 8, True,
                       max(1, min(tiles, facts.num_sms)), False, True)
+
+
+def triton_twin(cfg: GemmConfig) -> GemmConfig:
+    """The Triton kernel's config with a Gluon config's tile and grid (its pipeline depth capped
+    where the Triton kernel's epilogue needs shared memory too)."""
+    return replace(cfg, gluon=False, num_stages=min(cfg.num_stages, _LARGE_TILE.max_stages))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -241,8 +248,9 @@ def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     (tensor-core bound): 128x128 tiles, or 128x64 with two programs per SM for narrow N / short
     K. Dense GEMMs with few K tiles (<= 16 at small M, <= 4 at large M) run the tile and K loops
     as one flattened pipeline (the next tile's loads overlap this tile's epilogue). Pipelines
-    as deep as shared memory allows. Large-M dense and masked GEMMs of the fine-grained recipe
-    on sm_90 take the Gluon kernel (MMA and promotion overlap within a warpgroup)."""
+    as deep as shared memory allows. Large-M dense, contiguous and masked GEMMs of the
+    fine-grained recipe on sm_90 take the Gluon kernel (MMA and promotion overlap within a
+    warpgroup)."""
     rows = _rows_per_group(problem)
     if rows > 128 and gluon_eligible(problem, facts):
         return _gluon_config(problem, facts)
@@ -317,7 +325,7 @@ def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GemmConf
             add(_make_config(problem, facts, tile, split, base.flatten, base.use_tma))
     if base.num_stages > 2:
         add(replace(base, num_stages=base.num_stages - 1))
-    base = replace(base, gluon=False)  # the variants below are the Triton kernel's
+    base = triton_twin(base) if base.gluon else base  # the variants below: Triton kernel
     add(base)
     if dense and base.split_k == 1:
         add(replace(base, flatten=not base.flatten))

@@ -17,7 +17,6 @@ Kernel -> launch wrapper; tests in tests/test_triton_*.py, timings in scripts/tr
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import torch
 import triton
@@ -25,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...problem import GemmKind, GemmProblem, Recipe, ceil_div
-from .config import GemmConfig
+from .config import GemmConfig, triton_twin
 
 __all__ = ["launch_gemm"]
 
@@ -399,20 +398,12 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
     mmax = a.shape[1] if masked else 0
     if m_a == 0 or n == 0:
         return
+    # NOTE: the Gluon kernel needs TMA on A, B and out (16-byte aligned bases; a view into a
+    # buffer may not be): where it cannot run, its Triton twin (same tile) takes the GEMM; a
+    # contiguous GEMM runs the twin's second launch after it either way.
+    use_gluon = cfg.gluon and _tma_ok(a, k) and _tma_ok(b, k) and out.data_ptr() % 16 == 0
     if cfg.gluon:
-        if _tma_ok(a, k) and _tma_ok(b, k) and out.data_ptr() % 16 == 0:
-            from .gluon_fp8_gemm import launch_gluon_gemm
-
-            strides = (_scale_strides(sa, problem.a_recipe, masked)
-                       + _scale_strides(sb, problem.b_recipe, grouped_b))
-            launch_gluon_gemm(a.view(m_a, k), b.view(-1, k), out.view(m_a, n), sa, sb, strides,
-                              groups, a.shape[1] if masked else m_a, idx if masked else None,
-                              cfg.block_m, cfg.block_n, cfg.num_stages, cfg.group_m,
-                              cfg.num_programs)
-            return
-        # NOTE: a base not 16-byte aligned (a view into a buffer) cannot be a TMA operand; the
-        # Triton kernel takes the same tile with pointer loads.
-        cfg = replace(cfg, gluon=False)
+        cfg = triton_twin(cfg)
     use_tma = cfg.use_tma and _tma_ok(a, k) and _tma_ok(b, k)
     split, main_meta, second_meta = _launch_consts(problem, cfg, use_tma, c is not None)
 
@@ -441,7 +432,14 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
             out2.stride(0), out2.stride(1), stride_cm, stride_cn,
             sag, sam, sak, sbg, sbn, sbk)
     grid = (cfg.num_programs,)
-    _fp8_gemm_nt_kernel[grid](*args, **main_meta)
+    if use_gluon:
+        from .gluon_fp8_gemm import launch_gluon_gemm
+
+        launch_gluon_gemm(_KIND[kind], a.view(m_a, k), b.view(-1, k), out2, sa, sb,
+                          (sag, sam, sak, sbg, sbn, sbk), groups, mmax if masked else m_a, idx,
+                          cfg.block_m, cfg.block_n, cfg.num_stages, cfg.group_m, cfg.num_programs)
+    else:
+        _fp8_gemm_nt_kernel[grid](*args, **main_meta)
     if second_meta is not None:
         # the further groups of m tiles that hold rows of several groups (see KIND == 4)
         _fp8_gemm_nt_kernel[grid](*args, **second_meta)

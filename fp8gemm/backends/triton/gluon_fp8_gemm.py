@@ -52,40 +52,57 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _tile_info(tile, num_pid_m, num_pid_n, mm_ptr, MMAX, MASKED: gl.constexpr,
-               GROUP_M: gl.constexpr):
-    """(group, m tile, n tile, rows of the group) of a linear tile index. Masked: the tiles of
-    group g come after those of g - 1; its rows are min(masked_m[g], Mmax), read on the GPU."""
-    if MASKED:
+def _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX, KIND: gl.constexpr,
+               GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
+    """(group, m tile, n tile, whether the tile has rows to compute) of a linear tile index.
+    Masked: the tiles of group g follow those of g - 1, its rows are min(masked_m[g], Mmax).
+    Contiguous: an m tile computes the first group among its rows' m_indices (values outside
+    [0, G) are padding); the Triton kernel's second launch takes any further groups."""
+    if KIND == 3:
         per_group = num_pid_m * num_pid_n
         g = tile // per_group
         pid_m, pid_n = _tile_coords(tile % per_group, num_pid_m, num_pid_n, GROUP_M)
-        rows = gl.minimum(gl.maximum(gl.load(mm_ptr + g), 0), MMAX)
+        rows = gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
+        active = pid_m * BLOCK_M < rows
+    elif KIND == 1:
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        g = gl.min(_row_groups(idx_ptr, pid_m, M_A, G, BLOCK_M, rows_layout), 0)
+        active = g < G
     else:
         g = tile * 0
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        rows = MMAX
-    return g, pid_m, pid_n, rows
+        active = g == 0
+    return g, pid_m, pid_n, active
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, mm_ptr, shape,
+def _row_groups(idx_ptr, pid_m, M_A, G, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
+    """Contiguous: the group of each row of m tile pid_m, G for padding and rows past M."""
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
+    gid = gl.load(idx_ptr + offs_m, mask=offs_m < M_A, other=-1)
+    return gl.where((gid >= 0) & (gid < G), gid, G)
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, idx_ptr, shape,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            GROUP_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+            GROUP_M: gl.constexpr, STAGES: gl.constexpr, KIND: gl.constexpr):
     """Producer: one TMA load of A and one of B per K block into the ring's next stage."""
-    N, K, G, MMAX = shape
+    M_A, N, K, G, MMAX = shape
+    rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     num_pid_m = gl.cdiv(MMAX, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = (G if KIND == 3 else 1) * num_pid_m * num_pid_n
     k_blocks = gl.cdiv(K, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
-    for tile in range(gl.program_id(0), G * num_pid_m * num_pid_n, gl.num_programs(0)):
-        g, pid_m, pid_n, rows = _tile_info(tile, num_pid_m, num_pid_n, mm_ptr, MMAX, MASKED,
-                                           GROUP_M)
-        if pid_m * BLOCK_M < rows:
-            # NOTE: A and B are [G * rows, K] matrices; a box that runs past its group reads
-            # the next group's rows, which only feed output rows / columns never stored.
-            a_row = g * MMAX + pid_m * BLOCK_M
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        g, pid_m, pid_n, active = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX,
+                                             KIND, GROUP_M, BLOCK_M, rows_layout)
+        if active:
+            # NOTE: A and B are [rows, K] matrices; a box that runs past its group reads other
+            # groups' rows, which only feed output rows / columns never stored.
+            a_row = (g * MMAX if KIND == 3 else 0) + pid_m * BLOCK_M
             b_row = g * N + pid_n * BLOCK_N
             for kb in range(k_blocks):
                 s = it % STAGES
@@ -136,13 +153,13 @@ def _promote(total, acc, scale, OUTSTANDING: gl.constexpr, empty, it, STAGES: gl
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr, sb_ptr,
-              mm_ptr, shape, sstrides,
+              idx_ptr, shape, sstrides,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, KIND: gl.constexpr,
               num_warps: gl.constexpr):
     """Consumers: wgmma per K block into a fresh accumulator, promoted with its scales into the
     FP32 sum while the next K block's wgmma runs; then the epilogue."""
-    N, K, G, MMAX = shape
+    M_A, N, K, G, MMAX = shape
     stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk = sstrides
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32])
@@ -150,29 +167,40 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     num_pid_m = gl.cdiv(MMAX, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = (G if KIND == 3 else 1) * num_pid_m * num_pid_n
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
-    for tile in range(gl.program_id(0), G * num_pid_m * num_pid_n, gl.num_programs(0)):
-        g, pid_m, pid_n, rows = _tile_info(tile, num_pid_m, num_pid_n, mm_ptr, MMAX, MASKED,
-                                           GROUP_M)
-        if pid_m * BLOCK_M < rows:
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        g, pid_m, pid_n, active = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX,
+                                             KIND, GROUP_M, BLOCK_M, row_layout)
+        if active:
+            # the rows this tile writes: all rows of A (dense), the rows of group g (masked:
+            # m < masked_m[g]; contiguous: m_indices[m] == g)
+            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+            if KIND == 3:
+                m_ok = offs_m < gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
+            elif KIND == 1:
+                m_ok = _row_groups(idx_ptr, pid_m, M_A, G, BLOCK_M, row_layout) == g
+            else:
+                m_ok = offs_m < M_A
+            full = gl.min(m_ok.to(gl.int32), 0) == 1
+            row0 = (g * MMAX if KIND == 3 else 0) + pid_m * BLOCK_M
             it = _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om,
-                       sa_ptr, sb_ptr, g, pid_m, pid_n, rows, it, N, k_blocks, MMAX,
-                       stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
-                       BLOCK_M, BLOCK_N, STAGES, mma_layout, row_layout, col_layout)
+                       sa_ptr, sb_ptr, g, pid_m, pid_n, offs_m, m_ok, full, row0, it, N,
+                       k_blocks, stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn,
+                       stride_sbk, BLOCK_M, BLOCK_N, STAGES, mma_layout, col_layout)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr, sb_ptr,
-          g, pid_m, pid_n, rows, it, N, k_blocks, MMAX,
+          g, pid_m, pid_n, offs_m, m_ok, full, row0, it, N, k_blocks,
           stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          mma_layout: gl.constexpr, row_layout: gl.constexpr, col_layout: gl.constexpr):
-    """One output tile: the K loop, then the store. Returns the K step counter."""
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+          mma_layout: gl.constexpr, col_layout: gl.constexpr):
+    """One output tile: the K loop, then the store of the rows m_ok (out rows row0 + i).
+    Returns the K step counter."""
     sa_rows = sa_ptr + g * stride_sag + offs_m * stride_sam
-    m_ok = offs_m < rows
     # NOTE: BLOCK_N divides 128, so the tile lies in one 128-wide scale block of B
     sb_tile = sb_ptr + g * stride_sbg + (pid_n * BLOCK_N // 128) * stride_sbn
     # NOTE: the scales of K blocks kb + 2 and kb + 3 are loaded while kb and kb + 1 are
@@ -200,11 +228,10 @@ def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa
     else:
         _, total = _promote(total, acc_x, sc_x, 0, empty, it, STAGES)
         it += 1
-    # epilogue: full tiles through shared memory and a TMA store (it clips columns past
-    # N); a tile holding the group's last rows with register stores under a row mask, so
-    # that rows past them stay untouched (masked: rows >= masked_m[g]).
-    row0 = g * MMAX + pid_m * BLOCK_M
-    if pid_m * BLOCK_M + BLOCK_M <= rows:
+    # epilogue: tiles whose rows are all written go through shared memory and a TMA store
+    # (it clips columns past N); others are stored from registers under the row mask, so that
+    # rows the call does not own stay untouched.
+    if full:
         # the previous tile's TMA store must have read c_smem before it is rewritten
         tma.store_wait(0)
         c_smem.store(total.to(out_desc.dtype))
@@ -212,7 +239,7 @@ def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa
         tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N], c_smem)
     else:
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        out_rows = (g * MMAX + offs_m).to(gl.int64) * stride_om
+        out_rows = (row0 - pid_m * BLOCK_M + offs_m).to(gl.int64) * stride_om
         ptrs = out_ptr + gl.expand_dims(out_rows, 1) + gl.expand_dims(offs_n, 0)
         mask = gl.expand_dims(m_ok, 1) & gl.expand_dims(offs_n < N, 0)
         gl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -220,10 +247,10 @@ def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa
 
 
 @gluon.jit
-def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, mm_ptr,
-                           N, K, G, MMAX, stride_om,
+def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, idx_ptr,
+                           M_A, N, K, G, MMAX, stride_om,
                            stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
-                           MASKED: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           KIND: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                            num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -242,14 +269,14 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, mm
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    shape = (N, K, G, MMAX)
+    shape = (M_A, N, K, G, MMAX)
     sstrides = (stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr,
-                     sb_ptr, mm_ptr, shape, sstrides,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MASKED, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, mm_ptr, shape,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, MASKED)),
+                     sb_ptr, idx_ptr, shape, sstrides,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, KIND, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, idx_ptr, shape,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, KIND)),
     ], [1], [_LOADER_REGS])
 
 
@@ -268,22 +295,20 @@ def gluon_layouts(a: torch.dtype, b: torch.dtype, out: torch.dtype, block_m: int
             gl.NVMMASharedLayout.get_default_for([block_m, block_n], g[out]))
 
 
-def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sa: torch.Tensor,
-                      sb: torch.Tensor, scale_strides: tuple[int, ...], groups: int, mmax: int,
-                      masked_m: torch.Tensor | None, block_m: int, block_n: int, stages: int,
-                      group_m: int, num_programs: int) -> None:
-    """out[g * mmax + m, n] = sum_k a[g * mmax + m, k] b[g * n_per + n, k] sa sb for the rows
-    m < min(masked_m[g], mmax) (all mmax rows when masked_m is None: dense, groups = 1).
-    a [G * mmax, K], b [G * N, K], out [G * mmax, N]: row-major, 16-byte aligned rows; scales
-    at any strides, scale_strides = (sa group, row, k, sb group, n block, k)."""
+def launch_gluon_gemm(kind: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                      sa: torch.Tensor, sb: torch.Tensor, scale_strides: tuple[int, ...],
+                      groups: int, mmax: int, idx: torch.Tensor | None, block_m: int,
+                      block_n: int, stages: int, group_m: int, num_programs: int) -> None:
+    """kind 0 dense, 1 contiguous (idx = m_indices [M]), 3 masked (idx = masked_m [G], A and out
+    rows g * mmax + m). a [rows, K], b [G * N, K], out [rows, N]: row-major, 16-byte aligned
+    rows; scales at any strides, scale_strides = (sa group, row, k, sb group, n block, k)."""
     k = a.shape[1]
     n = out.shape[1]
     la, lb, lo = gluon_layouts(a.dtype, b.dtype, out.dtype, block_m, block_n, 128)
     a_desc = TensorDescriptor(a, list(a.shape), [k, 1], [block_m, 128], la)
     b_desc = TensorDescriptor(b, list(b.shape), [k, 1], [block_n, 128], lb)
     o_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m, block_n], lo)
-    masked = masked_m is not None
     _gluon_fp8_gemm_kernel[(num_programs,)](
-        a_desc, b_desc, o_desc, out, sa, sb, masked_m if masked else sa,
-        n, k, groups, mmax, out.stride(0), *scale_strides,
-        MASKED=masked, GROUP_M=group_m, STAGES=stages, num_warps=8, maxnreg=_MAXNREG)
+        a_desc, b_desc, o_desc, out, sa, sb, idx if idx is not None else sa,
+        a.shape[0], n, k, groups, mmax, out.stride(0), *scale_strides,
+        KIND=kind, GROUP_M=group_m, STAGES=stages, num_warps=8, maxnreg=_MAXNREG)
