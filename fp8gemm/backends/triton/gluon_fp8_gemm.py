@@ -1,6 +1,8 @@
-"""Dense FP8 NT GEMM for sm_90 in Gluon (Triton's tile-level language): A 1x128, B 128x128.
+"""FP8 NT GEMM for sm_90 in Gluon (Triton's tile-level language): A 1x128, B 128x128 scales.
 
-D[m, n] = sum_k A[m, k] * B[n, k] * sa[m, k // 128] * sb[n // 128, k // 128], FP32 accumulation.
+D[m, n] = sum_k A[m, k] * B[g, n, k] * sa[m, k // 128] * sb[g, n // 128, k // 128], FP32
+accumulation; dense, grouped contiguous (the first group of each m tile; the Triton kernel's
+second launch takes the rest) and grouped masked (masked_m read on the GPU).
 
 Why a second kernel: the fine-grained recipe needs each 128-deep partial sum in registers to
 scale it, and `tl.dot` then waits for its wgmma group right after issuing it, so MMA and
@@ -11,13 +13,14 @@ promotion serialise within a warpgroup (docs/triton.md). Gluon states the waits 
 - the consumer warpgroups (num_warps = 8: two m64 halves of a 128-row tile) issue the wgmma of
   K block kb + 1 before they wait for K block kb (`warpgroup_mma_wait(1)`), so the FFMA
   promotion of kb overlaps the tensor cores working on kb + 1 (two accumulators in flight);
-- persistent over output tiles in an L2-grouped order; the epilogue goes through shared memory
-  and a TMA store, which clips rows and columns outside `out` and runs while the next tile's
-  loads proceed.
+- persistent over output tiles in an L2-grouped order; tiles whose rows are all written leave
+  through shared memory and a TMA store (clipped to `out`) while the next tile's loads
+  proceed, others through register stores under their row mask.
 
-Taken by the Triton backend for dense GEMMs at large M on sm_90 when the rows of A, B and `out`
-are 16-byte aligned and no C is given; everything else runs `fp8_gemm._fp8_gemm_nt_kernel`.
-Not available under TRITON_INTERPRET (Gluon has no interpreter).
+Taken by the Triton backend at large M on sm_90 when the rows of A, B and `out` are 16-byte
+aligned and no C is given (config.gluon_eligible); everything else runs
+`fp8_gemm._fp8_gemm_nt_kernel`. Not available under TRITON_INTERPRET (Gluon has no
+interpreter); tests/test_gluon_compile.py compiles it for sm_90 on the CPU.
 """
 
 from __future__ import annotations
