@@ -75,11 +75,12 @@ def test_deepseek_dense(tb, m, n, k):
 
 
 def _gluon_config(tb, prob):
+    """The Gluon kernel's config for `prob` (whether or not the heuristic would pick it)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is for sm_90")
-    cfg = tb.config.choose_config(prob, tb.config.device_facts(torch.device("cuda")))
-    assert cfg.gluon, cfg
-    return cfg
+    facts = tb.config.device_facts(torch.device("cuda"))
+    assert tb.config.gluon_eligible(prob, facts)
+    return tb.config._gluon_config(prob, facts)
 
 
 @pytest.mark.parametrize("m,n,k,out_dtype", [
@@ -214,9 +215,11 @@ def test_contiguous_deepseek(tb, groups, m_per, n, k):
         assert calc_diff(out[rows], ad[rows] @ bd[gi].T) < BF16_DIFF
 
 
-def test_contiguous_unaligned_groups(tb):
+@pytest.mark.parametrize("gluon", [False, True], ids=["heuristic", "gluon"])
+def test_contiguous_unaligned_groups(tb, gluon):
     """m_indices not aligned to the M tile (tiles holding rows of two or three groups), padding
-    rows and out-of-range values (treated as padding, left untouched)."""
+    rows and out-of-range values (treated as padding, left untouched); the heuristic's config
+    and the Gluon kernel's (then the Triton kernel's second launch)."""
     groups, n, k = 3, 2112, 7168
     parts = [torch.full((s,), g, dtype=torch.int32) for g, s in ((0, 700), (-1, 5), (2, 1),
                                                                 (1, 3001), (7, 3), (2, 259))]
@@ -227,10 +230,12 @@ def test_contiguous_unaligned_groups(tb):
     sa = a_scales(GRP, m, k, "cuda", col_major=True, gen=g)
     b, sb = _grouped_b(groups, n, k, seed=18)
     prob = problem(GemmKind.CONTIGUOUS, m, n, k, groups, a, b, GRP, BLK, torch.bfloat16)
-    if torch.cuda.get_device_capability() == (9, 0):
-        _gluon_config(tb, prob)  # the Gluon kernel, then the Triton kernel's second launch
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tb.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, idx.cuda(), prob)
+    if gluon:
+        tb.fp8_gemm.launch_gemm(prob, _gluon_config(tb, prob), a, sa, b, sb, out, None,
+                                idx.cuda())
+    else:
+        tb.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, idx.cuda(), prob)
     own = (idx >= 0) & (idx < groups)
     assert out[~own].isnan().all() and not out[own].isnan().any()
     bd = dequant_b(b, sb, BLK, True)
@@ -297,9 +302,9 @@ def test_gluon_masked(tb, groups, mmax, n, k, mm):
     masked_m = torch.tensor(mm, dtype=torch.int32, device="cuda")
     prob = problem(GemmKind.MASKED, mmax, n, k, groups, a, b, GRP, BLK, torch.bfloat16,
                    expected_m=mmax)
-    _gluon_config(tb, prob)
+    cfg = _gluon_config(tb, prob)
     out = torch.full((groups, mmax, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tb.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, prob)
+    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, out, None, masked_m)
     ref = _ref(a, sa, GRP, b, sb, BLK, grouped=True)
     for gi in range(groups):
         rows = min(mm[gi], mmax)

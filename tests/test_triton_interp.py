@@ -628,7 +628,7 @@ def test_heuristic_large_m_gluon(tb):
     cfgmod = tb.config
     facts = cfgmod.DeviceFacts(**H200)
     a = torch.zeros(1, dtype=E4M3)
-    for m, n, k, out in [(4096, 7168, 16384, torch.bfloat16), (129, 2112, 320, torch.float32)]:
+    for m, n, k, out in [(4096, 7168, 16384, torch.bfloat16), (129, 2112, 1024, torch.float32)]:
         prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, out)
         cfg = cfgmod.choose_config(prob, facts)
         assert cfg.gluon and (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k) == (128, 128, 8, 1)
@@ -649,8 +649,18 @@ def test_heuristic_large_m_gluon(tb):
                     (problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.ROW, Recipe.BLOCK,
                              torch.bfloat16), facts),
                     (problem(GemmKind.DENSE, 128, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16), facts)]:
+                             torch.bfloat16), facts),
+                    # one partial wave with short K: the Gluon kernel's fixed cost shows
+                    (problem(GemmKind.DENSE, 129, 2112, 320, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
+                             torch.bfloat16), facts),
+                    # 136 tiles of 128x128 take two waves; 128x64 tiles two programs an SM, one
+                    (problem(GemmKind.DENSE, 1000, 2112, 7168, 1, a, a, Recipe.GROUP,
+                             Recipe.BLOCK, torch.bfloat16), facts)]:
         assert not cfgmod.choose_config(prob, f).gluon, prob
+    for kind, m, groups, em in [(GemmKind.CONTIGUOUS, 32768, 4, 0), (GemmKind.MASKED, 512, 2, 512)]:
+        prob = problem(kind, m, 7168, 2048, groups, a, a, Recipe.GROUP, Recipe.BLOCK,
+                       torch.bfloat16, expected_m=em)
+        assert cfgmod.choose_config(prob, facts).gluon, prob
 
 
 def test_heuristic_large_m(tb):

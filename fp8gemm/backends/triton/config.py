@@ -252,8 +252,7 @@ def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     fine-grained recipe on sm_90 take the Gluon kernel (MMA and promotion overlap within a
     warpgroup)."""
     rows = _rows_per_group(problem)
-    if rows > 128 and gluon_eligible(problem, facts):
-        return _gluon_config(problem, facts)
+    gluon = rows > 128 and gluon_eligible(problem, facts)
     k_blocks = ceil_div(problem.k, SCALE_BLOCK)
     use_tma = facts.has_tma and not facts.interpreter and problem.k % 16 == 0
     dense = problem.kind is GemmKind.DENSE
@@ -281,7 +280,34 @@ def choose_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     # NOTE: not with split-K: the flattened loop plus the workspace epilogue spill registers
     # (compile check: 48-160 B stack)
     flatten = dense and split == 1 and k_blocks <= (16 if rows <= 128 else 4)
-    return _make_config(problem, facts, tile, split, flatten, use_tma)
+    cfg = _make_config(problem, facts, tile, split, flatten, use_tma)
+    if gluon:
+        glu = _gluon_config(problem, facts)
+        if glu.num_programs < facts.num_sms:
+            # NOTE: one partial wave: time is one tile's latency, lower in the Gluon kernel
+            # except for short K, where its fixed cost (warp specialisation, descriptors)
+            # shows (H200: 130x576x7168 29 vs 38 us; 130x576x320 8.1 vs 6.6 us)
+            use = k_blocks > 4
+        else:
+            use = (_wave_work(problem, facts, glu) / _GLUON_SPEEDUP
+                   <= _wave_work(problem, facts, cfg))
+        if use:
+            return glu
+    return cfg
+
+
+# Measured on an H200 (DeepSeek-V3 shapes, M = 4096, full waves): the Gluon kernel computes a
+# 128x128 tile 1.2-1.35x as fast as the Triton kernel's large-M configs.
+_GLUON_SPEEDUP = 1.25
+
+
+def _wave_work(problem: GemmProblem, facts: DeviceFacts, cfg: GemmConfig) -> float:
+    """Output elements an SM computes over all waves of a large-M launch (wave quantisation:
+    a last wave that fills few SMs costs a whole wave)."""
+    groups = problem.groups if problem.kind is GemmKind.MASKED else 1
+    tiles = groups * ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
+    per_sm = max(1, cfg.num_programs // facts.num_sms)
+    return ceil_div(tiles, per_sm * facts.num_sms) * per_sm * cfg.block_m * cfg.block_n
 
 
 def _make_config(problem: GemmProblem, facts: DeviceFacts, tile: _Tile, split: int, flatten: bool,
