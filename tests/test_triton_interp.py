@@ -638,24 +638,17 @@ def test_heuristic_large_m_gluon(tb):
         cands = cfgmod.candidate_configs(prob, facts)
         assert cands[0] is cfg and any(not c.gluon for c in cands)
     ada = cfgmod.DeviceFacts(**{**H200, "capability": (8, 9)})
-    for prob, f in [(problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16, has_c=True), facts),
-                    (problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16), ada),
-                    (problem(GemmKind.DENSE, 4096, 4096, 7000, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16), facts),
-                    (problem(GemmKind.DENSE, 4096, 4100, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16), facts),
-                    (problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.ROW, Recipe.BLOCK,
-                             torch.bfloat16), facts),
-                    (problem(GemmKind.DENSE, 128, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16), facts),
-                    # one partial wave with short K: the Gluon kernel's fixed cost shows
-                    (problem(GemmKind.DENSE, 129, 2112, 320, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16), facts),
-                    # 136 tiles of 128x128 take two waves; 128x64 tiles two programs an SM, one
-                    (problem(GemmKind.DENSE, 1000, 2112, 7168, 1, a, a, Recipe.GROUP,
-                             Recipe.BLOCK, torch.bfloat16), facts)]:
+    grp = Recipe.GROUP
+    for m, n, k, ra, has_c, f in [
+            (4096, 4096, 7168, grp, True, facts), (4096, 4096, 7168, grp, False, ada),
+            (4096, 4096, 7000, grp, False, facts), (4096, 4100, 7168, grp, False, facts),
+            (4096, 4096, 7168, Recipe.ROW, False, facts), (128, 4096, 7168, grp, False, facts),
+            # one partial wave with short K: the Gluon kernel's fixed cost shows
+            (129, 2112, 320, grp, False, facts),
+            # 136 tiles of 128x128 take two waves; 128x64 tiles two programs an SM, one
+            (1000, 2112, 7168, grp, False, facts)]:
+        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, ra, Recipe.BLOCK, torch.bfloat16,
+                       has_c=has_c)
         assert not cfgmod.choose_config(prob, f).gluon, prob
     for kind, m, groups, em in [(GemmKind.CONTIGUOUS, 32768, 4, 0), (GemmKind.MASKED, 512, 2, 512)]:
         prob = problem(kind, m, 7168, 2048, groups, a, a, Recipe.GROUP, Recipe.BLOCK,

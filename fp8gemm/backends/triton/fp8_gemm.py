@@ -402,6 +402,7 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
     # buffer may not be): where it cannot run, its Triton twin (same tile) takes the GEMM; a
     # contiguous GEMM runs the twin's second launch after it either way.
     use_gluon = cfg.gluon and _tma_ok(a, k) and _tma_ok(b, k) and out.data_ptr() % 16 == 0
+    gluon_stages = cfg.num_stages
     if cfg.gluon:
         cfg = triton_twin(cfg)
     use_tma = cfg.use_tma and _tma_ok(a, k) and _tma_ok(b, k)
@@ -437,7 +438,7 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
 
         launch_gluon_gemm(_KIND[kind], a.view(m_a, k), b.view(-1, k), out2, sa, sb,
                           (sag, sam, sak, sbg, sbn, sbk), groups, mmax if masked else m_a, idx,
-                          cfg.block_m, cfg.block_n, cfg.num_stages, cfg.group_m, cfg.num_programs)
+                          cfg.block_m, cfg.block_n, gluon_stages, cfg.group_m, cfg.num_programs)
     else:
         _fp8_gemm_nt_kernel[grid](*args, **main_meta)
     if second_meta is not None:
