@@ -229,8 +229,7 @@ def _gluon_config(problem: GemmProblem, facts: DeviceFacts) -> GemmConfig:
     # thread); stages as deep as shared memory allows next to the epilogue tile.
     epilogue = 128 * 128 * problem.out_dtype.itemsize
     stages = max(2, min(6, (facts.smem_per_block - epilogue - 1024) // (2 * 128 * SCALE_BLOCK)))
-    groups = problem.groups if problem.kind is GemmKind.MASKED else 1
-    tiles = groups * ceil_div(problem.m, 128) * ceil_div(problem.n, 128)
+    tiles = _output_tiles(problem, 128, 128)
     return GemmConfig(128, 128, SCALE_BLOCK, 8, 1, stages, 8, True,
                       max(1, min(tiles, facts.num_sms)), False, True)
 
@@ -304,10 +303,20 @@ _GLUON_SPEEDUP = 1.25
 def _wave_work(problem: GemmProblem, facts: DeviceFacts, cfg: GemmConfig) -> float:
     """Output elements an SM computes over all waves of a large-M launch (wave quantisation:
     a last wave that fills few SMs costs a whole wave)."""
-    groups = problem.groups if problem.kind is GemmKind.MASKED else 1
-    tiles = groups * ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
+    tiles = _output_tiles(problem, cfg.block_m, cfg.block_n)
     per_sm = max(1, cfg.num_programs // facts.num_sms)
     return ceil_div(tiles, per_sm * facts.num_sms) * per_sm * cfg.block_m * cfg.block_n
+
+
+def _output_tiles(problem: GemmProblem, block_m: int, block_n: int) -> int:
+    """Output tiles of a launch: masked [G, Mmax] rows tile per group; offsets have at most one
+    partly filled m tile per group more than their rows."""
+    m_tiles = ceil_div(problem.m, block_m)
+    if problem.kind is GemmKind.MASKED:
+        m_tiles *= problem.groups
+    elif problem.kind is GemmKind.OFFSETS:
+        m_tiles += problem.groups
+    return m_tiles * ceil_div(problem.n, block_n)
 
 
 def _make_config(problem: GemmProblem, facts: DeviceFacts, tile: _Tile, split: int, flatten: bool,
@@ -317,13 +326,7 @@ def _make_config(problem: GemmProblem, facts: DeviceFacts, tile: _Tile, split: i
     if stages is None:
         stages = _stages(bm, bn, SCALE_BLOCK, facts, cap=tile.max_stages)
     per_sm = _programs_per_sm(tile, stages, facts)
-    if problem.kind is GemmKind.DENSE:
-        tiles = ceil_div(problem.m, bm) * ceil_div(problem.n, bn) * split
-    elif problem.kind is GemmKind.MASKED:
-        tiles = problem.groups * ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
-    else:  # offsets: at most one partly filled m tile per group
-        extra = problem.groups if problem.kind is GemmKind.OFFSETS else 0
-        tiles = (ceil_div(problem.m, bm) + extra) * ceil_div(problem.n, bn)
+    tiles = _output_tiles(problem, bm, bn) * split
     programs = max(1, min(tiles, per_sm * facts.num_sms))
     return GemmConfig(bm, bn, SCALE_BLOCK, 8, split, stages, tile.num_warps, use_tma, programs,
                       flatten and problem.kind is GemmKind.DENSE)
