@@ -398,18 +398,25 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
     mmax = a.shape[1] if masked else 0
     if m_a == 0 or n == 0:
         return
+    sag, sam, sak = _scale_strides(sa, problem.a_recipe, masked)
+    sbg, sbn, sbk = _scale_strides(sb, problem.b_recipe, grouped_b)
+    out2 = out.view(m_a, n)
     # NOTE: the Gluon kernel needs TMA on A, B and out (16-byte aligned bases; a view into a
     # buffer may not be): where it cannot run, its Triton twin (same tile) takes the GEMM; a
     # contiguous GEMM runs the twin's second launch after it either way.
     use_gluon = cfg.gluon and _tma_ok(a, k) and _tma_ok(b, k) and out.data_ptr() % 16 == 0
-    gluon_stages = cfg.num_stages
+    if use_gluon:
+        from .gluon_fp8_gemm import launch_gluon_gemm
+
+        launch_gluon_gemm(_KIND[kind], a.view(m_a, k), b.view(-1, k), out2, sa, sb,
+                          (sag, sam, sak, sbg, sbn, sbk), groups, mmax if masked else m_a, idx,
+                          cfg.block_m, cfg.block_n, cfg.num_stages, cfg.group_m, cfg.num_programs)
+        if kind is not GemmKind.CONTIGUOUS:
+            return
     if cfg.gluon:
         cfg = triton_twin(cfg)
     use_tma = cfg.use_tma and _tma_ok(a, k) and _tma_ok(b, k)
     split, main_meta, second_meta = _launch_consts(problem, cfg, use_tma, c is not None)
-
-    sag, sam, sak = _scale_strides(sa, problem.a_recipe, masked)
-    sbg, sbn, sbk = _scale_strides(sb, problem.b_recipe, grouped_b)
     stride_bg = n * k if grouped_b else 0
 
     a_desc = b_desc = None
@@ -424,7 +431,6 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
         ws = torch.empty((split, m_a, n), dtype=torch.float32, device=a.device)
     c_arg = c if c is not None else out
     stride_cm, stride_cn = (c.stride(0), c.stride(1)) if c is not None else (0, 0)
-    out2 = out.view(m_a, n)
     idx_arg = idx if idx is not None else sa  # unused by dense: any pointer
 
     args = (a, b, a_desc, b_desc, out2, c_arg, ws if ws is not None else out2, sa, sb, idx_arg,
@@ -433,13 +439,7 @@ def launch_gemm(problem: GemmProblem, cfg: GemmConfig, a: torch.Tensor, sa: torc
             out2.stride(0), out2.stride(1), stride_cm, stride_cn,
             sag, sam, sak, sbg, sbn, sbk)
     grid = (cfg.num_programs,)
-    if use_gluon:
-        from .gluon_fp8_gemm import launch_gluon_gemm
-
-        launch_gluon_gemm(_KIND[kind], a.view(m_a, k), b.view(-1, k), out2, sa, sb,
-                          (sag, sam, sak, sbg, sbn, sbk), groups, mmax if masked else m_a, idx,
-                          cfg.block_m, cfg.block_n, gluon_stages, cfg.group_m, cfg.num_programs)
-    else:
+    if not use_gluon:
         _fp8_gemm_nt_kernel[grid](*args, **main_meta)
     if second_meta is not None:
         # the further groups of m tiles that hold rows of several groups (see KIND == 4)

@@ -57,33 +57,31 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX, KIND: gl.constexpr,
                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
-    """(group, m tile, n tile, whether the tile has rows to compute) of a linear tile index.
-    Masked: the tiles of group g follow those of g - 1, its rows are min(masked_m[g], Mmax).
-    Contiguous: an m tile computes the first group among its rows' m_indices (values outside
-    [0, G) are padding); the Triton kernel's second launch takes any further groups."""
+    """(group, m tile, n tile, the tile's rows in its group, which of them it writes) of a
+    linear tile index; a tile that writes no row is skipped. Dense: the rows of A. Masked: the
+    tiles of group g follow those of g - 1, rows m < min(masked_m[g], Mmax). Contiguous: an m
+    tile computes the first group among its rows' m_indices (values outside [0, G) are
+    padding), rows with m_indices[m] == g; the Triton kernel's second launch takes any further
+    groups."""
     if KIND == 3:
         per_group = num_pid_m * num_pid_n
         g = tile // per_group
         pid_m, pid_n = _tile_coords(tile % per_group, num_pid_m, num_pid_n, GROUP_M)
-        rows = gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
-        active = pid_m * BLOCK_M < rows
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
+        m_ok = offs_m < gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
     elif KIND == 1:
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        g = gl.min(_row_groups(idx_ptr, pid_m, M_A, G, BLOCK_M, rows_layout), 0)
-        active = g < G
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
+        gid = gl.load(idx_ptr + offs_m, mask=offs_m < M_A, other=-1)
+        gid = gl.where((gid >= 0) & (gid < G), gid, G)
+        g = gl.min(gid, 0)
+        m_ok = gid == g
     else:
         g = tile * 0
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        active = g == 0
-    return g, pid_m, pid_n, active
-
-
-@gluon.jit
-def _row_groups(idx_ptr, pid_m, M_A, G, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
-    """Contiguous: the group of each row of m tile pid_m, G for padding and rows past M."""
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
-    gid = gl.load(idx_ptr + offs_m, mask=offs_m < M_A, other=-1)
-    return gl.where((gid >= 0) & (gid < G), gid, G)
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
+        m_ok = offs_m < M_A
+    return g, pid_m, pid_n, offs_m, m_ok
 
 
 @gluon.jit
@@ -100,9 +98,9 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, idx_ptr, shape,
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, pid_m, pid_n, active = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX,
-                                             KIND, GROUP_M, BLOCK_M, rows_layout)
-        if active:
+        g, pid_m, pid_n, _, m_ok = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G,
+                                              MMAX, KIND, GROUP_M, BLOCK_M, rows_layout)
+        if gl.max(m_ok.to(gl.int32), 0) == 1:
             # NOTE: A and B are [rows, K] matrices; a box that runs past its group reads other
             # groups' rows, which only feed output rows / columns never stored.
             a_row = (g * MMAX if KIND == 3 else 0) + pid_m * BLOCK_M
@@ -174,18 +172,9 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om
     k_blocks = gl.cdiv(K, BLOCK_K)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, pid_m, pid_n, active = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX,
-                                             KIND, GROUP_M, BLOCK_M, row_layout)
-        if active:
-            # the rows this tile writes: all rows of A (dense), the rows of group g (masked:
-            # m < masked_m[g]; contiguous: m_indices[m] == g)
-            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-            if KIND == 3:
-                m_ok = offs_m < gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
-            elif KIND == 1:
-                m_ok = _row_groups(idx_ptr, pid_m, M_A, G, BLOCK_M, row_layout) == g
-            else:
-                m_ok = offs_m < M_A
+        g, pid_m, pid_n, offs_m, m_ok = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G,
+                                                   MMAX, KIND, GROUP_M, BLOCK_M, row_layout)
+        if gl.max(m_ok.to(gl.int32), 0) == 1:
             full = gl.min(m_ok.to(gl.int32), 0) == 1
             row0 = (g * MMAX if KIND == 3 else 0) + pid_m * BLOCK_M
             it = _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om,
