@@ -75,7 +75,7 @@ def _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX, KIND: gl.const
         gid = gl.load(idx_ptr + offs_m, mask=offs_m < M_A, other=-1)
         gid = gl.where((gid >= 0) & (gid < G), gid, G)
         g = gl.min(gid, 0)
-        m_ok = gid == g
+        m_ok = (gid == g) & (gid < G)  # a tile of padding only: g == G, no row
     else:
         g = tile * 0
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
