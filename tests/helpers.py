@@ -206,9 +206,4 @@ FORCED_CONFIGS = [
     (1024, 2048, 1536, 256, 112, 2, False),  # BLOCK_M 256 with multicast of B
     (768, 1536, 1024, 256, 64, 2, True),     # BLOCK_M 256 with multicast of A, 64 wide
     (130, 576, 16384, 256, 96, 1, False),    # BLOCK_M 256, long K
-    # BLOCK_N 256: two N slices of 128 sharing A fragments in registers.
-    (4096, 2112, 7168, 128, 256, 1, False),  # the last n block's second slice lies past N
-    (37, 1000, 336, 128, 256, 1, False),     # M, N (second slice 104 wide) and K (3 k-steps) tails
-    (1024, 2048, 1536, 128, 256, 2, False),  # with multicast of B
-    (512, 4096, 1024, 128, 256, 2, True),    # with multicast of A
 ]

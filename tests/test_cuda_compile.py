@@ -209,8 +209,8 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
         path = tmp_path / "k.cubin"
         path.write_bytes(compiled.cubin)
         sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-        wn = g.wgmma_n(cfg.block_n)
-        assert re.search(rf"QGMMA\.64x{wn}x32", sass), f"{shape} {cfg}: no QGMMA.64x{wn}x32 in SASS"
+        assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), \
+            f"{shape} {cfg}: no QGMMA.64x{cfg.block_n}x32 in SASS"
         assert not re.search(r"\b(LDL|STL)\b", sass), f"{shape} {cfg}: local memory in SASS"
         res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
         local = re.findall(r"LOCAL:(\d+)", res)
@@ -348,8 +348,7 @@ def test_forced_multicast_configs_compile_clean(m, n, k, bm, bn, multicast, on_a
     path = tmp_path / "k.cubin"
     path.write_bytes(compiled.cubin)
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-    wn = g.wgmma_n(bn)
-    assert re.search(rf"QGMMA\.64x{wn}x32", sass), f"{cfg}: no QGMMA.64x{wn}x32 in SASS"
+    assert re.search(rf"QGMMA\.64x{bn}x32", sass), f"{cfg}: no QGMMA.64x{bn}x32 in SASS"
     assert not re.search(r"\b(LDL|STL)\b", sass), f"{cfg}: local memory in SASS"
     res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
     found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)

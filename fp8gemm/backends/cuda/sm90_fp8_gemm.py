@@ -19,7 +19,7 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
-           "num_threads", "tile_cost", "mma_efficiency", "wgmma_n", "kernel_source", "build_kernel",
+           "num_threads", "tile_cost", "mma_efficiency", "kernel_source", "build_kernel",
            "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
@@ -70,12 +70,6 @@ TMA_ALIGN = 16
 # Raw stream handles that are not real streams: NULL (legacy default), CU_STREAM_LEGACY,
 # CU_STREAM_PER_THREAD (cuda.h).
 _SPECIAL_STREAMS = (0, 1, 2)
-
-
-def wgmma_n(block_n: int) -> int:
-    """N of the tile's wgmma: BLOCK_N 256 runs as two slices of 128 (mirror of the kernel's
-    kNumNSlices)."""
-    return block_n // 2 if block_n == 256 else block_n
 
 
 def mma_efficiency(block_m: int, block_n: int) -> float:

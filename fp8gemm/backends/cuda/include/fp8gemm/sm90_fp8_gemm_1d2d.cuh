@@ -60,18 +60,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t kNumKBlocks = Layout::kNumKBlocks;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
   constexpr uint32_t kNumSbRows = ceil_div(SHAPE_N, 128u);
+  // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
   constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
-  // NOTE: BLOCK_N = 256 (BLOCK_M = 128) runs as two slices of 128 columns per k-block, one after
-  // the other through one wgmma accumulator, each promoted into its own half of the FP32 sums (an
-  // m64n256 accumulator next to 128 sums would not fit the registers). The warp's A rows are read
-  // from shared memory once per k-block into registers (ldmatrix) and feed both slices: per
-  // k-block the tile reads 80 KB of shared memory for 4M MACs, against 96 KB for 256 x 128 in two
-  // waves and 48 KB for 2M MACs at 128 x 128.
-  constexpr uint32_t kNumNSlices = BLOCK_N == 256 ? 2 : 1;
-  constexpr uint32_t WGMMA_N = BLOCK_N / kNumNSlices;
-  constexpr bool kARegs = kNumNSlices > 1;
-  constexpr uint32_t kNumAccum = WgmmaFp8<WGMMA_N>::kNumAccum;
-  constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
+  constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold two BLOCK_N/2 float accumulators per thread. 128 * 40 + 256 * 232 fits
   // the 64K-register file.
@@ -88,7 +79,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // --- static checks ----------------------------------------------------------------------------
   static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
                 "one or two math warpgroups of 64 rows each, in one or two waves");
-  static_assert(kNumNSlices == 1 || BLOCK_M == 128, "N slices only with one wave of two warpgroups");
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   // NOTE: a tile spans at most two 128-wide B scale blocks only when its width never straddles a
   // whole block: BLOCK_N <= 128 + the largest power of two dividing BLOCK_N (e.g. 144, 160, not 152).
@@ -225,29 +215,16 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
       const uint32_t num_first = (128 - n0 % 128) / 8;
 
-      // final_acc[w] holds the wave's FP32 sums in the wgmma fragment order of the whole tile
-      // width: slice s of kNumAccum registers after slice s - 1 (8-column group g at 4 * g).
-      float acc[kNumAccum], final_acc[kNumWaves][kNumNSlices * kNumAccum];
+      float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
 #pragma unroll
       for (uint32_t w = 0; w < kNumWaves; ++w)
 #pragma unroll
-        for (uint32_t i = 0; i < kNumNSlices * kNumAccum; ++i) final_acc[w][i] = 0.0f;
+        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
       for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
         mbar_wait(&full_bar[stage], phase);
         const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
         const uint64_t desc_b = make_smem_desc_sw128(smem_b + stage * Layout::SMEM_B);
-        // With N slices: this warp's 16 A rows x 128 of K, k-step k in a_frag[k] (ldmatrix.x4:
-        // lanes 0-15 address rows 0-15 at the k-step's first 16 bytes, lanes 16-31 the second;
-        // 16-byte unit u of row r sits at unit u ^ (r % 8) under the 128-byte swizzle).
-        uint32_t a_frag[kARegs ? kNumKSteps : 1][4];
-        if constexpr (kARegs) {
-          const uint32_t a_row = warpgroup * WGMMA_M + warp_in_wg * 16 + lane % 16;
-          const uint8_t* a_ptr = smem_a + stage * Layout::SMEM_A + a_row * BLOCK_K;
-#pragma unroll
-          for (uint32_t k = 0; k < kNumKSteps; ++k)
-            ldmatrix_x4(a_frag[k], a_ptr + ((2 * k + lane / 16) ^ (a_row % 8)) * 16);
-        }
 #pragma unroll
         for (uint32_t w = 0; w < kNumWaves; ++w) {
           const uint32_t row = w * WAVE_M + r0;
@@ -256,56 +233,45 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           const uint64_t desc_a = make_smem_desc_sw128(
               smem_a + stage * Layout::SMEM_A + (w * WAVE_M + warpgroup * WGMMA_M) * BLOCK_K);
 #pragma unroll
-          for (uint32_t s = 0; s < kNumNSlices; ++s) {
-            // Slice s: B rows [s * WGMMA_N, (s + 1) * WGMMA_N), 1024-byte aligned (WGMMA_N = 128).
-            const uint64_t desc_bs = desc_b + s * (WGMMA_N * BLOCK_K >> 4);
+          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+          wgmma_fence();
+          // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
+          if (kb + 1 < kNumKBlocks || kLastKSteps == BLOCK_K / WGMMA_K) {
 #pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-            wgmma_fence();
-            // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
-            auto mma = [&](uint32_t k) {
-              if constexpr (kARegs)
-                WgmmaFp8RS<WGMMA_N>::mma(a_frag[k], desc_bs + 2 * k, acc, k > 0);
-              else
-                WgmmaFp8<WGMMA_N>::mma(desc_a + 2 * k, desc_bs + 2 * k, acc, k > 0);
-            };
-            // NOTE: zero-filled K beyond SHAPE_K adds nothing: the last k-block skips the k-steps
-            // that only see it (two unrolled loops: a run-time bound per wgmma splits the group).
-            if (kb + 1 < kNumKBlocks || kLastKSteps == kNumKSteps) {
+            for (uint32_t k = 0; k < BLOCK_K / WGMMA_K; ++k)
+              WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+          } else {
 #pragma unroll
-              for (uint32_t k = 0; k < kNumKSteps; ++k) mma(k);
+            for (uint32_t k = 0; k < kLastKSteps; ++k)
+              WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+          }
+          wgmma_commit();
+#pragma unroll
+          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+          wgmma_wait<0>();
+
+          // The stage is free once this warp's last wgmma have read it: release it to every CTA
+          // whose producer writes into it.
+          if (w + 1 == kNumWaves) {
+            if constexpr (kNumTMAMulticast == 1) {
+              if (lane == 0) mbar_arrive(&empty_bar[stage]);
             } else {
-#pragma unroll
-              for (uint32_t k = 0; k < kLastKSteps; ++k) mma(k);
+              if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage], lane);
             }
-            wgmma_commit();
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-            wgmma_wait<0>();
+          }
 
-            // The stage is free once this warp's last wgmma have read it: release it to every
-            // CTA whose producer writes into it.
-            if (w + 1 == kNumWaves && s + 1 == kNumNSlices) {
-              if constexpr (kNumTMAMulticast == 1) {
-                if (lane == 0) mbar_arrive(&empty_bar[stage]);
-              } else {
-                if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage], lane);
-              }
-            }
-
-            // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every
-            // 128 of K the partial sum moves to FP32 registers, scaled by sa * sb.
-            const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
-            float* fin = final_acc[w] + s * kNumAccum;
+          // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128
+          // of K the partial sum moves to FP32 registers, scaled by sa * sb.
+          const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+          float* fin = final_acc[w];
 #pragma unroll
-            for (uint32_t g = 0; g < WGMMA_N / 8; ++g) {
-              const bool first = s * (WGMMA_N / 8) + g < num_first;
-              const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
-              fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
-              fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
-              fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
-              fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
-            }
+          for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+            const bool first = g < num_first;
+            const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
+            fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
+            fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
+            fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
+            fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
           }
         }
         if (++stage == kNumStages) stage = 0, phase ^= 1;

@@ -198,14 +198,4 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_addr(ptr)), "r"(value) : "memory");
 }
 
-// Four 8x8 matrices of 16-bit elements (here 8x16 bytes of FP8 each) from shared memory: lane l
-// gives the address of row l % 8 of matrix l / 8 and receives 4 bytes of every matrix (row l / 4,
-// bytes 4 * (l % 4) .. + 3), the A fragment layout of an FP8 wgmma k-step.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row_ptr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row_ptr))
-               : "memory");
-}
-
 }  // namespace fp8gemm
