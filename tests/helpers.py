@@ -194,16 +194,24 @@ def assert_close_diff(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
 
 
 # sm90 configs the heuristic may not pick for the suite, built directly by the tests: 2-CTA multicast
-# of A and of B, wide odd tiles, BLOCK_M 256 (two waves). (m, n, k, bm, bn, multicast, on_a)
+# of A and of B, wide odd tiles, BLOCK_M 256 (two waves), two accumulators in flight.
+# (m, n, k, bm, bn, multicast, on_a, two_accum)
 FORCED_CONFIGS = [
-    (512, 2048, 1024, 128, 128, 2, False),   # multicast of B: pairs share n_block
-    (512, 2048, 1024, 128, 128, 2, True),    # multicast of A: pairs share m_block
-    (768, 1088, 640, 128, 136, 2, True),     # 136 wide, tiles straddling B scale blocks
-    (300, 1280, 2048, 64, 160, 2, True),     # BLOCK_M 64, 160 wide, M tail
-    (4096, 576, 320, 128, 144, 2, False),
-    (1000, 2112, 7168, 256, 128, 1, False),  # BLOCK_M 256, M tail inside the second wave
-    (200, 1088, 640, 256, 136, 1, False),    # one 256 block, M tail inside the first wave
-    (1024, 2048, 1536, 256, 112, 2, False),  # BLOCK_M 256 with multicast of B
-    (768, 1536, 1024, 256, 64, 2, True),     # BLOCK_M 256 with multicast of A, 64 wide
-    (130, 576, 16384, 256, 96, 1, False),    # BLOCK_M 256, long K
+    (512, 2048, 1024, 128, 128, 2, False, False),   # multicast of B: pairs share n_block
+    (512, 2048, 1024, 128, 128, 2, True, False),    # multicast of A: pairs share m_block
+    (768, 1088, 640, 128, 136, 2, True, False),     # 136 wide, tiles straddling B scale blocks
+    (300, 1280, 2048, 64, 160, 2, True, False),     # BLOCK_M 64, 160 wide, M tail
+    (4096, 576, 320, 128, 144, 2, False, False),
+    (1000, 2112, 7168, 256, 128, 1, False, False),   # BLOCK_M 256, M tail inside the second wave
+    (200, 1088, 640, 256, 136, 1, False, False),    # one 256 block, M tail inside the first wave
+    (1024, 2048, 1536, 256, 112, 2, False, False),   # BLOCK_M 256 with multicast of B
+    (768, 1536, 1024, 256, 64, 2, True, False),     # BLOCK_M 256 with multicast of A, 64 wide
+    (130, 576, 16384, 256, 96, 1, False, False),    # BLOCK_M 256, long K
+    # Two accumulators: the k-blocks run in unrolled chunks of 8 plus a tail chunk.
+    (4096, 2112, 7168, 128, 128, 1, False, True),   # 56 k-blocks: 7 chunks, no tail
+    (300, 576, 320, 128, 128, 1, False, True),      # 3 k-blocks (tail only), K and M tails
+    (1000, 2112, 1152, 128, 112, 1, False, True),   # 9 k-blocks: a chunk and a tail of one
+    (37, 1000, 1040, 64, 128, 1, False, True),      # one math warpgroup; K tail of 16
+    (130, 576, 16384, 128, 96, 1, False, True),     # long K
+    (512, 2048, 1024, 128, 128, 2, False, True),    # with multicast of B
 ]

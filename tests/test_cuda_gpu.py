@@ -179,8 +179,8 @@ def test_multiple_kernels_and_devices_state(gpu_device):
         assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
 
 
-@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a", FORCED_CONFIGS)
-def test_forced_configs(m, n, k, bm, bn, multicast, on_a, gpu_device):
+@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a,two_accum", FORCED_CONFIGS)
+def test_forced_configs(m, n, k, bm, bn, multicast, on_a, two_accum, gpu_device):
     """Configs the heuristic may not pick today (2-CTA multicast of A or B, wide odd tiles,
     BLOCK_M 256) stay correct: built directly, bypassing the heuristic."""
     from fp8gemm.backends.cuda import sm90_fp8_gemm as g
@@ -190,7 +190,7 @@ def test_forced_configs(m, n, k, bm, bn, multicast, on_a, gpu_device):
     tiles = ceil_div(m, bm) * ceil_div(n, bn)
     grid = min(facts.num_sms, tiles) // multicast * multicast
     cfg = g.Sm90GemmConfig(bm, bn, stages, multicast, on_a, g.BAND_SIZE, grid,
-                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm))
+                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm), two_accum)
     a, sa, b, sb = make_operands(m, n, k, gpu_device)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
     plan = g._Plan(dense_problem(m, n, k), gpu_device.index or 0, cfg)

@@ -122,12 +122,14 @@ class Sm90GemmConfig:
     grid: int  # persistent CTAs
     smem: int  # dynamic shared memory, bytes
     num_threads: int
+    two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M <= 128, BLOCK_N <= 144)
 
     def __str__(self) -> str:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
         return (f"sm90_fp8_gemm_1d2d BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} "
                 f"stages={self.num_stages} multicast={mc} grid={self.grid} "
-                f"threads={self.num_threads} smem={self.smem // 1024}KB")
+                f"threads={self.num_threads} smem={self.smem // 1024}KB"
+                + (" accum=2" if self.two_accum else ""))
 
 
 def num_threads(block_m: int) -> int:
@@ -231,7 +233,7 @@ def kernel_source(n: int, k: int, cfg: Sm90GemmConfig) -> tuple[str, str]:
     source = "#include <fp8gemm/sm90_fp8_gemm_1d2d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{n}, {k}, {cfg.block_m}, {cfg.block_n}, "
             f"{cfg.num_stages}, {cfg.num_multicast}, {'true' if cfg.multicast_on_a else 'false'}, "
-            f"{cfg.band_size}>")
+            f"{cfg.band_size}, {'true' if cfg.two_accum else 'false'}>")
     return source, name
 
 

@@ -37,7 +37,7 @@ struct Sm90Fp8Gemm1d2dLayout {
 };
 
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize>
+          uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize, bool kTwoAccum>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const __grid_constant__ TmaDescriptor tmap_a,
@@ -63,10 +63,16 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
   constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
+  constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
+  // NOTE: kTwoAccum: two wgmma accumulators per thread; the wgmma of k-block kb + 1 is issued
+  // before the wait for kb, so each warpgroup keeps one wgmma group queued while it promotes.
+  // One wave only (a third BLOCK_N/2 register array besides two would not fit BLOCK_M = 256).
+  constexpr uint32_t kKChunk = 8;
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
-  // warpgroups, which hold two BLOCK_N/2 float accumulators per thread. 128 * 40 + 256 * 232 fits
-  // the 64K-register file.
-  constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;
+  // warpgroups, which hold two or three BLOCK_N/2 float arrays per thread. 128 * 40 + 256 * 232
+  // fits the 64K-register file; one math warpgroup (BLOCK_M = 64) can take 256 (its B-scale
+  // prefetch at K = MAX_K needs more than 232 next to a 160-wide tile).
+  constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
   constexpr bool kBandAlongM = kNumTMAMulticast > 1 && !kIsMulticastOnA;
   // Output tile in shared memory: kNumDChunks column chunks of 64 (128 bytes a row, 128-byte
   // swizzle, one TMA store each through tmap_d), then the last BLOCK_N % 64 columns unswizzled
@@ -88,6 +94,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
+  static_assert(!kTwoAccum || (kNumWaves == 1 && BLOCK_N <= 128),
+                "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
@@ -221,60 +229,116 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
-      for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
-        mbar_wait(&full_bar[stage], phase);
-        const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
+      // The wgmma of k-block kb (in the current stage) for wave w into acc_, committed as one group.
+      auto issue = [&](float (&acc_)[kNumAccum], uint32_t kb, uint32_t w) {
+        const uint64_t desc_a = make_smem_desc_sw128(
+            smem_a + stage * Layout::SMEM_A + (w * WAVE_M + warpgroup * WGMMA_M) * BLOCK_K);
         const uint64_t desc_b = make_smem_desc_sw128(smem_b + stage * Layout::SMEM_B);
 #pragma unroll
-        for (uint32_t w = 0; w < kNumWaves; ++w) {
-          const uint32_t row = w * WAVE_M + r0;
-          const float sa0 = smem_sa[stage * BLOCK_M + row];
-          const float sa1 = smem_sa[stage * BLOCK_M + row + 8];
-          const uint64_t desc_a = make_smem_desc_sw128(
-              smem_a + stage * Layout::SMEM_A + (w * WAVE_M + warpgroup * WGMMA_M) * BLOCK_K);
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
+        wgmma_fence();
+        // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
+        // Zero-filled K beyond SHAPE_K adds nothing: the last k-block skips the k-steps that only
+        // see it (two unrolled loops: a run-time bound per wgmma would split the group).
+        if (kb + 1 < kNumKBlocks || kLastKSteps == kNumKSteps) {
 #pragma unroll
-          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-          wgmma_fence();
-          // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
-          if (kb + 1 < kNumKBlocks || kLastKSteps == BLOCK_K / WGMMA_K) {
+          for (uint32_t k = 0; k < kNumKSteps; ++k)
+            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
+        } else {
 #pragma unroll
-            for (uint32_t k = 0; k < BLOCK_K / WGMMA_K; ++k)
-              WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-          } else {
-#pragma unroll
-            for (uint32_t k = 0; k < kLastKSteps; ++k)
-              WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-          }
-          wgmma_commit();
-#pragma unroll
-          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-          wgmma_wait<0>();
-
-          // The stage is free once this warp's last wgmma have read it: release it to every CTA
-          // whose producer writes into it.
-          if (w + 1 == kNumWaves) {
-            if constexpr (kNumTMAMulticast == 1) {
-              if (lane == 0) mbar_arrive(&empty_bar[stage]);
-            } else {
-              if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage], lane);
-            }
-          }
-
-          // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128
-          // of K the partial sum moves to FP32 registers, scaled by sa * sb.
-          const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
-          float* fin = final_acc[w];
-#pragma unroll
-          for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-            const bool first = g < num_first;
-            const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
-            fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
-            fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
-            fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
-            fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
-          }
+          for (uint32_t k = 0; k < kLastKSteps; ++k)
+            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
         }
+        wgmma_commit();
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
+      };
+      // The stage is free once this warp's last wgmma have read it: release it to every CTA
+      // whose producer writes into it.
+      auto release = [&](uint32_t stage_) {
+        if constexpr (kNumTMAMulticast == 1) {
+          if (lane == 0) mbar_arrive(&empty_bar[stage_]);
+        } else {
+          if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage_], lane);
+        }
+      };
+      // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
+      // K the partial sum moves to FP32 registers, scaled by sa * sb (rows r and r + 8).
+      // NOTE: the scales are read before the wgmma is waited for, off the critical path.
+      auto promote = [&](float* fin, float (&acc_)[kNumAccum], float sa0, float sa1, float sb0,
+                         float sb1) {
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
+        const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+#pragma unroll
+        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+          const bool first = g < num_first;
+          const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
+          fin[4 * g + 0] = fmaf(acc_[4 * g + 0], c0, fin[4 * g + 0]);
+          fin[4 * g + 1] = fmaf(acc_[4 * g + 1], c0, fin[4 * g + 1]);
+          fin[4 * g + 2] = fmaf(acc_[4 * g + 2], c1, fin[4 * g + 2]);
+          fin[4 * g + 3] = fmaf(acc_[4 * g + 3], c1, fin[4 * g + 3]);
+        }
+      };
+      auto next_stage = [&]() {
         if (++stage == kNumStages) stage = 0, phase ^= 1;
+      };
+
+      if constexpr (kTwoAccum) {
+        // NOTE: k-blocks alternate between acc (even offset in the chunk) and acc1; the A scales
+        // are read at issue time (the producer may refill a stage once it is released).
+        // ptxas serialises every wgmma (C7514) when a loop carries a group in flight across its
+        // back edge, so the k-blocks run in fully unrolled chunks of kKChunk, each ending with
+        // no group in flight: one bubble per chunk, which the other warpgroup's wgmma covers.
+        float acc1[kNumAccum];
+        float sa0[2], sa1[2], sb0[2], sb1[2];
+        uint32_t held[2];  // stage of the k-block in flight in acc / acc1
+        auto start = [&](float (&acc_)[kNumAccum], uint32_t slot, uint32_t kb) {
+          mbar_wait(&full_bar[stage], phase);
+          sa0[slot] = smem_sa[stage * BLOCK_M + r0];
+          sa1[slot] = smem_sa[stage * BLOCK_M + r0 + 8];
+          sb0[slot] = smem_sb[kb];
+          sb1[slot] = smem_sb[kNumKBlocks + kb];
+          issue(acc_, kb, 0);
+          held[slot] = stage;
+          next_stage();
+        };
+        // n is a compile-time constant at both (inlined) calls, so the loop unrolls fully.
+        auto chunk = [&](uint32_t n, uint32_t kb0) {
+          start(acc, 0, kb0);
+#pragma unroll
+          for (uint32_t j = 0; j < n; ++j) {
+            float (&cur)[kNumAccum] = j % 2 == 0 ? acc : acc1;
+            float (&nxt)[kNumAccum] = j % 2 == 0 ? acc1 : acc;
+            if (j + 1 < n) {
+              start(nxt, (j + 1) % 2, kb0 + j + 1);
+              wgmma_wait<1>();
+            } else {
+              wgmma_wait<0>();
+            }
+            release(held[j % 2]);
+            promote(final_acc[0], cur, sa0[j % 2], sa1[j % 2], sb0[j % 2], sb1[j % 2]);
+          }
+        };
+        uint32_t kb = 0;
+        for (; kb + kKChunk <= kNumKBlocks; kb += kKChunk) chunk(kKChunk, kb);
+        if constexpr (kNumKBlocks % kKChunk != 0) chunk(kNumKBlocks % kKChunk, kb);
+      } else {
+        for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+          mbar_wait(&full_bar[stage], phase);
+          const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
+#pragma unroll
+          for (uint32_t w = 0; w < kNumWaves; ++w) {
+            const uint32_t row = w * WAVE_M + r0;
+            const float sa0 = smem_sa[stage * BLOCK_M + row];
+            const float sa1 = smem_sa[stage * BLOCK_M + row + 8];
+            issue(acc, kb, w);
+            wgmma_wait<0>();
+            if (w + 1 == kNumWaves) release(stage);
+            promote(final_acc[w], acc, sa0, sa1, sb0, sb1);
+          }
+          next_stage();
+        }
       }
 
       // --- epilogue: registers -> bf16 tile in shared memory -> one TMA store -------------------
