@@ -7,8 +7,8 @@
 A variant is the heuristic's config with changes, named by '+'-joined parts:
   base      the heuristic's config as it is
   mcA, mcB  2-CTA multicast of A / B (when the block counts allow), mc0 = none
-  bmM, bnN  BLOCK_M = M, BLOCK_N = N (stages, smem, threads recomputed)
-  acc2, acc1  two wgmma accumulators in flight / one
+  bmM, bnN  BLOCK_M = M, BLOCK_N = N (stages, smem, threads, two accumulators recomputed)
+  acc2, acc1  two wgmma accumulators in flight / one (after bm/bn)
 e.g. "bm256+mcB". Prints µs, TFLOPS and the speed-up over cuBLAS block-wise of the same round;
 --json writes every row.
 """
@@ -50,7 +50,8 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
             st = g._stages(bm, bn, k, 232448)
             cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=st,
                                       smem=g.smem_bytes(bm, bn, st, k),
-                                      num_threads=g.num_threads(bm))
+                                      num_threads=g.num_threads(bm),
+                                      two_accum=g.two_accum_fits(bm, bn))
         elif part in ("acc1", "acc2"):
             cfg = dataclasses.replace(cfg, two_accum=part == "acc2")
         elif part in ("mcA", "mcB", "mc0"):
@@ -58,8 +59,8 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
             cfg = dataclasses.replace(cfg, num_multicast=mc, multicast_on_a=part == "mcA")
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    if cfg.two_accum and (cfg.block_m == 256 or cfg.block_n > 128):
-        return None  # the kernel takes two accumulators for one wave up to 128 wide
+    if cfg.two_accum and not g.two_accum_fits(cfg.block_m, cfg.block_n):
+        return None
     nb_m, nb_n = ceil_div(m, cfg.block_m), ceil_div(n, cfg.block_n)
     if cfg.num_multicast == 2 and (nb_n if cfg.multicast_on_a else nb_m) % 2:
         return None  # multicast impossible for this shape

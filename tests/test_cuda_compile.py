@@ -72,6 +72,7 @@ def test_config_properties(m, n, k, facts):
     low_bit = cfg.block_n & -cfg.block_n
     assert cfg.block_n <= 128 + min(low_bit, 128)
     assert cfg.num_threads == (256 if cfg.block_m == 64 else 384)
+    assert cfg.two_accum == g.two_accum_fits(cfg.block_m, cfg.block_n)
     # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
@@ -101,19 +102,25 @@ def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
 
 
 def test_cost_model_matches_h200_measurements():
-    """Choices the H200 measured best or within 5 % (scripts/cuda_sweep.py and, for BLOCK_M 256,
-    scripts/cuda_ab.py, 2026-11-30)."""
-    expect = {(4096, 7168, 16384): (256, 128), (4096, 4096, 7168): (256, 128),
-              (4096, 7168, 2048): (256, 128), (4096, 2112, 7168): (256, 136),
-              (4096, 32768, 512): (256, 128), (64, 2112, 7168): (64, 16),
+    """Choices the H200 measured best or within 5 % (scripts/cuda_sweep.py and, for BLOCK_M 256
+    and two accumulators, scripts/cuda_ab.py, 2026-11-30)."""
+    expect = {(4096, 7168, 16384): (128, 128), (4096, 4096, 7168): (128, 128),
+              (4096, 7168, 2048): (128, 128), (4096, 2112, 7168): (128, 128),
+              (4096, 32768, 512): (256, 128), (4096, 24576, 1536): (256, 128),
+              (2048, 4096, 7168): (128, 128), (64, 2112, 7168): (64, 16),
               (64, 7168, 16384): (64, 64), (64, 7168, 2048): (64, 64),
               (128, 4096, 7168): (128, 32), (128, 24576, 1536): (128, 96)}
     for (m, n, k), tile in expect.items():
         cfg = g.select_config(problem(m, n, k), H200)
         assert (cfg.block_m, cfg.block_n) == tile, ((m, n, k), cfg)
-    # One math warpgroup is the slower tile at equal loads; two waves the faster per FLOP.
+    # One math warpgroup is the slower tile at equal loads; two waves or two accumulators the
+    # faster per FLOP.
     assert g.tile_cost(64, 128) > g.tile_cost(128, 64)
     assert g.tile_cost(256, 128) < 2 * g.tile_cost(128, 128)
+    assert g.tile_cost(128, 128, k=7168) < g.tile_cost(256, 128) / 2 < g.tile_cost(128, 128, k=1536)
+    # The kernel takes two accumulators where they fit the registers (compiled below).
+    assert g.two_accum_fits(128, 128) and g.two_accum_fits(64, 128)
+    assert not (g.two_accum_fits(256, 128) or g.two_accum_fits(128, 136) or g.two_accum_fits(128, 120))
 
 
 def test_small_m_uses_every_sm():
@@ -216,6 +223,24 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
         res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
         local = re.findall(r"LOCAL:(\d+)", res)
         assert local and max(map(int, local)) == 0, res
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+def test_every_two_accum_tile_compiles_clean(bm, tmp_path, monkeypatch):
+    """two_accum_fits is what the compiler allows: every width it admits, at a mid and the
+    largest K, has no spills and no serialised wgmma."""
+    _compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    for k in (7168, g.MAX_K):
+        for bn in (n for n in g.BLOCK_N_CHOICES if g.two_accum_fits(bm, n)):
+            stages = g._stages(bm, bn, k, H200.smem_per_block)
+            cfg = g.Sm90GemmConfig(bm, bn, stages, 1, True, g.BAND_SIZE, 132,
+                                   g.smem_bytes(bm, bn, stages, k), g.num_threads(bm), True)
+            log = g.compile_kernel(7168, k, cfg)[1].log
+            spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+            if not spills:
+                pytest.skip("this compiler's log has no ptxas report")
+            assert max(spills) == 0 and not re.search(r"C751[45]", log), f"{cfg}\n{log}"
 
 
 def test_generated_wgmma_header_is_current():

@@ -19,7 +19,7 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
-           "num_threads", "tile_cost", "mma_efficiency", "kernel_source", "build_kernel",
+           "num_threads", "tile_cost", "mma_efficiency", "two_accum_fits", "kernel_source", "build_kernel",
            "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
@@ -45,12 +45,19 @@ BAND_SIZE = 16
 #   (BLOCK_M = 64) waits for its own wgmma before each promotion and reaches well under half the
 #   rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights compete).
 #   BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128 at equal wave
-#   counts on the six M = 4096 shapes (scripts/cuda_ab.py, H200): 1.06.
+#   counts on the six M = 4096 shapes (scripts/cuda_ab.py, H200): 1.06. Two wgmma accumulators in
+#   flight (the kernel uses them wherever they fit): 128x128 ran 1.071x one accumulator's speed
+#   (geomean, same six shapes, one loop) and, against 256x128, 1.01-1.05x at K >= 2048 but
+#   0.97-0.98x at K = 512 and 1536 (per-tile costs weigh more at short K): 1.07 for 128x128 at
+#   K >= 2048. Elsewhere they were within noise (64-row tiles at M = 64: 1.00-1.04x; 128x112 and
+#   128x96 at M = 4096 ran 12-15 % behind 128x128 with them, so no bonus there).
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
 LOAD_WEIGHT = 128
 ONE_WARPGROUP_EFFICIENCY = 0.4
 TWO_WAVE_EFFICIENCY = 1.06
+TWO_ACCUM_EFFICIENCY = 1.07
+TWO_ACCUM_MIN_K = 2048
 WIDE_TILE_EFFICIENCY = 0.96
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
@@ -72,6 +79,12 @@ TMA_ALIGN = 16
 _SPECIAL_STREAMS = (0, 1, 2)
 
 
+def two_accum_fits(block_m: int, block_n: int) -> bool:
+    """Whether the kernel holds two wgmma accumulators next to the FP32 sums without spills: one
+    wave, BLOCK_N <= 128; 128x120 spills (ptxas), checked by tests/test_cuda_compile.py."""
+    return block_m <= 128 and block_n <= 128 and (block_m, block_n) != (128, 120)
+
+
 def mma_efficiency(block_m: int, block_n: int) -> float:
     eff = block_n / align(block_n, 32)
     if block_n > 128:
@@ -83,9 +96,14 @@ def mma_efficiency(block_m: int, block_n: int) -> float:
     return eff
 
 
-def tile_cost(block_m: int, block_n: int) -> float:
-    return max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
+def tile_cost(block_m: int, block_n: int, k: int = 0) -> float:
+    cost = max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
                LOAD_WEIGHT * (block_m + block_n))
+    # The two accumulators' gain is measured on the whole tile (the model calls 128x128
+    # load-bound; it ran faster than that bound with them).
+    if (block_m, block_n) == (128, 128) and k >= TWO_ACCUM_MIN_K:
+        cost /= TWO_ACCUM_EFFICIENCY
+    return cost
 
 
 @dataclass(frozen=True)
@@ -181,7 +199,7 @@ def candidate_configs(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candid
             last = tiles - (waves - 1) * facts.num_sms
             # NOTE: rounded, so that tiles the model prices alike tie exactly and the tie-breaks
             # decide (7168 / 0.35 came out 1 ulp under 8192 / 0.4, and 64x56 beat 64x64 on that).
-            cost = round(waves * tile_cost(bm, bn), 6)
+            cost = round(waves * tile_cost(bm, bn, k), 6)
             out.append(Candidate(bm, bn, stages, tiles, waves, last, cost))
     return out
 
@@ -219,7 +237,8 @@ def _select(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90GemmConfig:
                           num_multicast=multicast, multicast_on_a=on_a, band_size=BAND_SIZE,
                           grid=max(grid, multicast),
                           smem=smem_bytes(best.block_m, best.block_n, best.num_stages, k),
-                          num_threads=num_threads(best.block_m))
+                          num_threads=num_threads(best.block_m),
+                          two_accum=two_accum_fits(best.block_m, best.block_n))
 
 
 def select_config(problem: GemmProblem, facts: DeviceFacts) -> Sm90GemmConfig:
