@@ -3,6 +3,13 @@
 
     python scripts/cuda_ab.py [--shapes 4096x4096x7168,...] [--variants base,y0.5,y1] [--reps 30]
     python scripts/cuda_ab.py --once ...     # each variant launched once (for ncu), no timing
+    python scripts/cuda_ab.py --method bench # every run after a flush and a sleep, as the bench
+
+Timing methods (both cold L2, variants interleaved run by run so drift hits all alike):
+  steady  back-to-back runs after a warm-up: the chip hot and at its power limit
+  bench   DESIGN.md section 6 per run (256 MB memset, then a sleep kernel, then the call): each run
+          starts from a near-idle chip, as in the bench CLI. The two can rank tiles differently
+          (a 128x128 tile that wins steady lost 8 % under bench at 4096x4096x7168).
 
 A variant is the heuristic's config with changes, named by '+'-joined parts:
   base      the heuristic's config as it is
@@ -30,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from cuda_bench import device_times_us  # noqa: E402
+from fp8gemm.bench.timing import DeviceTimer  # noqa: E402
 from test_cuda_gpu import calc_diff, dense_problem  # noqa: E402
 
 from fp8gemm.backends.cuda import sm90_fp8_gemm as g  # noqa: E402
@@ -68,12 +76,38 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
     return dataclasses.replace(cfg, grid=max(grid - grid % cfg.num_multicast, cfg.num_multicast))
 
 
+def bench_method_times_us(fns: dict, reps: int) -> dict:
+    """Median device time of each fn under the bench CLI's per-run method, run by run in turn."""
+    import statistics
+
+    timer = DeviceTimer(torch.device("cuda"))
+    sleep = timer.sleep_cycles(30.0)
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        events = []
+        for name, fn in fns.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timer.flush_buf.zero_()
+            torch.cuda._sleep(sleep)
+            s.record()
+            fn()
+            e.record()
+            events.append((name, s, e))
+        torch.cuda.synchronize()
+        for name, s, e in events:
+            times[name].append(s.elapsed_time(e) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=M4096)
     ap.add_argument("--variants", default="base,bm128,bm256")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--once", action="store_true")
+    ap.add_argument("--method", choices=("steady", "bench"), default="steady")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -113,7 +147,8 @@ def main() -> int:
         if args.once:
             continue
         fns["cublas-block"] = make_impl("cublas-block", data, block_way).fn
-        times = device_times_us(fns, args.reps)
+        times = (bench_method_times_us(fns, args.reps) if args.method == "bench"
+                 else device_times_us(fns, args.reps))
         for name, us in times.items():
             x = times["cublas-block"] / us
             print(f"{spec:>18} {name:>14} {us:8.1f} us {2 * m * n * k / us / 1e6:6.0f} TFLOPS "
