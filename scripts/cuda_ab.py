@@ -59,7 +59,7 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
             cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=st,
                                       smem=g.smem_bytes(bm, bn, st, k),
                                       num_threads=g.num_threads(bm),
-                                      two_accum=g.two_accum_fits(bm, bn))
+                                      two_accum=g.use_two_accum(bm, bn))
         elif part in ("acc1", "acc2"):
             cfg = dataclasses.replace(cfg, two_accum=part == "acc2")
         elif part in ("mcA", "mcB", "mc0"):
