@@ -59,7 +59,7 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
             cfg = dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=st,
                                       smem=g.smem_bytes(bm, bn, st, k),
                                       num_threads=g.num_threads(bm),
-                                      two_accum=g.use_two_accum(bm, bn))
+                                      two_accum=g.use_two_accum(bm, bn, k))
         elif part in ("acc1", "acc2"):
             cfg = dataclasses.replace(cfg, two_accum=part == "acc2")
         elif part in ("mcA", "mcB", "mc0"):
@@ -67,7 +67,7 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
             cfg = dataclasses.replace(cfg, num_multicast=mc, multicast_on_a=part == "mcA")
         else:
             raise ValueError(f"unknown variant part {part!r}")
-    if cfg.two_accum and not g.two_accum_fits(cfg.block_m, cfg.block_n):
+    if cfg.two_accum and not (cfg.block_m == 128 and cfg.block_n <= 128):
         return None
     nb_m, nb_n = ceil_div(m, cfg.block_m), ceil_div(n, cfg.block_n)
     if cfg.num_multicast == 2 and (nb_n if cfg.multicast_on_a else nb_m) % 2:

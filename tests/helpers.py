@@ -211,7 +211,7 @@ FORCED_CONFIGS = [
     (4096, 2112, 7168, 128, 128, 1, False, True),   # 56 k-blocks: 7 chunks, no tail
     (300, 576, 320, 128, 128, 1, False, True),      # 3 k-blocks (tail only), K and M tails
     (1000, 2112, 1152, 128, 112, 1, False, True),   # 9 k-blocks: a chunk and a tail of one
-    (37, 1000, 1040, 64, 128, 1, False, True),      # one math warpgroup; K tail of 16
+    (37, 1000, 1040, 128, 128, 1, False, True),     # M < 64, K tail of 16
     (130, 576, 16384, 128, 96, 1, False, True),     # long K
     (512, 2048, 1024, 128, 128, 2, False, True),    # with multicast of B
 ]

@@ -72,7 +72,7 @@ def test_config_properties(m, n, k, facts):
     low_bit = cfg.block_n & -cfg.block_n
     assert cfg.block_n <= 128 + min(low_bit, 128)
     assert cfg.num_threads == (256 if cfg.block_m == 64 else 384)
-    assert cfg.two_accum == g.use_two_accum(cfg.block_m, cfg.block_n)
+    assert cfg.two_accum == g.use_two_accum(cfg.block_m, cfg.block_n, k)
     # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
@@ -118,9 +118,9 @@ def test_cost_model_matches_h200_measurements():
     assert g.tile_cost(64, 128) > g.tile_cost(128, 64)
     assert g.tile_cost(256, 128) < 2 * g.tile_cost(128, 128)
     assert g.tile_cost(128, 128, k=7168) < g.tile_cost(256, 128) / 2 < g.tile_cost(128, 128, k=1536)
-    # The kernel takes two accumulators where they fit the registers (compiled below).
-    assert g.two_accum_fits(128, 128) and g.two_accum_fits(64, 128)
-    assert not (g.two_accum_fits(256, 128) or g.two_accum_fits(128, 136) or g.two_accum_fits(128, 120))
+    # Two accumulators on 128x128 tiles, where they were measured and compile clean (below).
+    assert g.use_two_accum(128, 128, 7168) and not g.use_two_accum(128, 128, g.TWO_ACCUM_MAX_K + 128)
+    assert not (g.use_two_accum(256, 128, 7168) or g.use_two_accum(128, 112, 7168))
 
 
 def test_small_m_uses_every_sm():
@@ -225,22 +225,21 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
         assert local and max(map(int, local)) == 0, res
 
 
-@pytest.mark.parametrize("bm", [64, 128])
-def test_every_two_accum_tile_compiles_clean(bm, tmp_path, monkeypatch):
-    """two_accum_fits is what the compiler allows: every width it admits, at a mid and the
-    largest K, has no spills and no serialised wgmma."""
+def test_two_accum_compiles_clean_over_its_k_range(tmp_path, monkeypatch):
+    """use_two_accum admits 128x128 up to TWO_ACCUM_MAX_K: no spills, no serialised wgmma at K
+    steps across that range (ptxas spilled at K = 65536)."""
     _compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    for k in (7168, g.MAX_K):
-        for bn in (n for n in g.BLOCK_N_CHOICES if g.two_accum_fits(bm, n)):
-            stages = g._stages(bm, bn, k, H200.smem_per_block)
-            cfg = g.Sm90GemmConfig(bm, bn, stages, 1, True, g.BAND_SIZE, 132,
-                                   g.smem_bytes(bm, bn, stages, k), g.num_threads(bm), True)
-            log = g.compile_kernel(7168, k, cfg)[1].log
-            spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-            if not spills:
-                pytest.skip("this compiler's log has no ptxas report")
-            assert max(spills) == 0 and not re.search(r"C751[45]", log), f"{cfg}\n{log}"
+    for k in (512, 7168, 16384, 32768, g.TWO_ACCUM_MAX_K):
+        assert g.use_two_accum(128, 128, k)
+        stages = g._stages(128, 128, k, H200.smem_per_block)
+        cfg = g.Sm90GemmConfig(128, 128, stages, 1, True, g.BAND_SIZE, 132,
+                               g.smem_bytes(128, 128, stages, k), g.num_threads(128), True)
+        log = g.compile_kernel(7168, k, cfg)[1].log
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        if not spills:
+            pytest.skip("this compiler's log has no ptxas report")
+        assert max(spills) == 0 and not re.search(r"C751[45]", log), f"{cfg}\n{log}"
 
 
 def test_generated_wgmma_header_is_current():

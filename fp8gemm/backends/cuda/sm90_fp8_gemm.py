@@ -19,8 +19,7 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
-           "num_threads", "tile_cost", "mma_efficiency", "two_accum_fits",
-           "use_two_accum", "kernel_source", "build_kernel",
+           "num_threads", "tile_cost", "mma_efficiency", "use_two_accum", "kernel_source", "build_kernel",
            "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
@@ -42,16 +41,16 @@ BAND_SIZE = 16
 # NOTE: cost model of one tile per unit of K: max(MMA time, load time), in FLOP units.
 # - MMA: 2*BM*BN / efficiency. Measured on H200 (scripts/cuda_sweep.py, M = 4096, cold L2): the
 #   tensor cores take N in steps of 32 (N = 136 costs about what 160 does), so efficiency is
-#   BN / align(BN, 32), times 0.96 above 128 (wide tiles lose a little more); one math warpgroup
+#   BN / align(BN, 32) (times WIDE_TILE_EFFICIENCY above 128, below); one math warpgroup
 #   (BLOCK_M = 64) waits for its own wgmma before each promotion and reaches well under half the
 #   rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights compete).
 #   BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128 at equal wave
 #   counts on the six M = 4096 shapes (scripts/cuda_ab.py, H200): 1.06. Tiles wider than 128:
 #   1.02 (256x136 ran at 0.87x the per-FLOP rate of 256x128, 4096x24576x1536, where 136/160
 #   says 0.85).
-#   Two wgmma accumulators in flight, used on 128-wide tiles (below): 128x128 with them, timed as
-#   the bench CLI times (cuda_ab.py --method bench), ran 1.03-1.10x 256x128 at M = 1024-2048 and
-#   0.98-1.00x at M = 4096; 1.07 at K >= 2048 (they gained 2-3 % less at K = 512-1536).
+#   Two wgmma accumulators in flight on 128x128 (use_two_accum): timed as the bench CLI times
+#   (cuda_ab.py --method bench), 1.03-1.10x 256x128 at M = 1024-2048 and 0.98-1.00x at M = 4096;
+#   the tile's cost / 1.07 at K >= 2048 (they gained 2-3 % less at K = 512-1536).
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
 LOAD_WEIGHT = 128
@@ -59,6 +58,7 @@ ONE_WARPGROUP_EFFICIENCY = 0.4
 TWO_WAVE_EFFICIENCY = 1.06
 TWO_ACCUM_EFFICIENCY = 1.07
 TWO_ACCUM_MIN_K = 2048
+TWO_ACCUM_MAX_K = 49152
 WIDE_TILE_EFFICIENCY = 1.02
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
@@ -80,17 +80,13 @@ TMA_ALIGN = 16
 _SPECIAL_STREAMS = (0, 1, 2)
 
 
-def two_accum_fits(block_m: int, block_n: int) -> bool:
-    """Whether the kernel holds two wgmma accumulators next to the FP32 sums without spills: one
-    wave, BLOCK_N <= 128; 128x120 spills (ptxas), checked by tests/test_cuda_compile.py."""
-    return block_m <= 128 and block_n <= 128 and (block_m, block_n) != (128, 120)
-
-
-def use_two_accum(block_m: int, block_n: int) -> bool:
-    """The heuristic's choice: two accumulators on 128-wide tiles. Measured against one (H200,
-    cuda_ab.py, both timing methods): 128x128 +3-7 % at M >= 1024, 64x128 +2 %; narrower tiles
-    within +-4 % either way, and 64x32 6-10 % slower."""
-    return block_n == 128 and two_accum_fits(block_m, block_n)
+def use_two_accum(block_m: int, block_n: int, k: int) -> bool:
+    """Two accumulators in flight (and the epilogue under the next tile's first wgmma): on 128x128
+    tiles up to K = TWO_ACCUM_MAX_K. The kernel takes any BLOCK_N <= 128 with BLOCK_M = 128, but
+    ptxas spills for some (128x120; 128x112 from K = 32768; 128x128 at K = 65536), and against
+    one accumulator narrow tiles measured within +-4 % (H200, cuda_ab.py) while 128x128 gained
+    3-7 %. tests/test_cuda_compile.py compiles every K step of this range."""
+    return (block_m, block_n) == (128, 128) and k <= TWO_ACCUM_MAX_K
 
 
 def mma_efficiency(block_m: int, block_n: int) -> float:
@@ -109,7 +105,7 @@ def tile_cost(block_m: int, block_n: int, k: int = 0) -> float:
                LOAD_WEIGHT * (block_m + block_n))
     # The two accumulators' gain is measured on the whole tile (the model calls 128x128
     # load-bound; it ran faster than that bound with them).
-    if (block_m, block_n) == (128, 128) and k >= TWO_ACCUM_MIN_K:
+    if use_two_accum(block_m, block_n, k) and k >= TWO_ACCUM_MIN_K:
         cost /= TWO_ACCUM_EFFICIENCY
     return cost
 
@@ -246,7 +242,7 @@ def _select(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90GemmConfig:
                           grid=max(grid, multicast),
                           smem=smem_bytes(best.block_m, best.block_n, best.num_stages, k),
                           num_threads=num_threads(best.block_m),
-                          two_accum=use_two_accum(best.block_m, best.block_n))
+                          two_accum=use_two_accum(best.block_m, best.block_n, k))
 
 
 def select_config(problem: GemmProblem, facts: DeviceFacts) -> Sm90GemmConfig:

@@ -65,8 +65,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
   constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
   // NOTE: kTwoAccum: two wgmma accumulators per thread; the wgmma of k-block kb + 1 is issued
-  // before the wait for kb, so each warpgroup keeps one wgmma group queued while it promotes.
-  // One wave only (a third BLOCK_N/2 register array besides two would not fit BLOCK_M = 256).
+  // before the wait for kb, so each warpgroup keeps one wgmma group queued while it promotes, and
+  // a tile's epilogue runs under the next tile's first wgmma group.
   constexpr uint32_t kKChunk = 8;
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold two or three BLOCK_N/2 float arrays per thread. 128 * 40 + 256 * 232
@@ -94,8 +94,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
-  static_assert(!kTwoAccum || (kNumWaves == 1 && BLOCK_N <= 128),
-                "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread");
+  static_assert(!kTwoAccum || (BLOCK_M == 128 && BLOCK_N <= 128),
+                "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave "
+                "(one math warpgroup spills with the epilogue under the next tile's wgmma)");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
@@ -206,11 +207,67 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
     };
 
+    // The FP32 sums of the tile being computed (with kTwoAccum, of the previous tile until its
+    // epilogue has run under the next tile's first wgmma).
+    float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
+    auto zero_sums = [&]() {
+#pragma unroll
+      for (uint32_t w = 0; w < kNumWaves; ++w)
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
+    };
+
+    // --- epilogue: final_acc -> bf16 tile in shared memory -> TMA stores ------------------------
+    auto epilogue = [&](uint32_t m_block_, uint32_t n_block_) {
+      // The previous tile's store must have finished reading smem_d before it is overwritten.
+      if (threadIdx.x == 0) tma_store_wait_read();
+      named_barrier_sync(1, kNumMathThreads);
+#pragma unroll
+      for (uint32_t w = 0; w < kNumWaves; ++w) {
+        const uint32_t row = w * WAVE_M + r0;
+#pragma unroll
+        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+          const uint32_t p0 = pack_bf16x2(final_acc[w][4 * g + 0], final_acc[w][4 * g + 1]);
+          const uint32_t p1 = pack_bf16x2(final_acc[w][4 * g + 2], final_acc[w][4 * g + 3]);
+          if (g / 8 + 1 <= kNumDChunks) {  // (g < 8 * kNumDChunks, without a warning at 0 chunks)
+            // 16-byte unit g % 8 of row r sits at unit (g % 8) ^ (r % 8); row % 8 == (row + 8) % 8.
+            uint8_t* chunk = smem_d + (g / 8) * BLOCK_M * 128;
+            const uint32_t unit = ((g % 8) ^ (row % 8)) * 16 + col_in_group * 2;
+            st_shared_u32(chunk + row * 128 + unit, p0);
+            st_shared_u32(chunk + (row + 8) * 128 + unit, p1);
+          } else {
+            uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
+            const uint32_t col = (g - kNumDChunks * 8) * 8 + col_in_group;
+            st_shared_u32(tail + (row * kTailCols + col) * 2, p0);
+            st_shared_u32(tail + ((row + 8) * kTailCols + col) * 2, p1);
+          }
+        }
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(1, kNumMathThreads);
+      // NOTE: TMA clips the store at M and N, so partial tiles need no masking.
+      if (threadIdx.x == 0) {
+        const int32_t m0 = static_cast<int32_t>(m_block_ * BLOCK_M);
+        const uint32_t n0 = n_block_ * BLOCK_N;
+#pragma unroll
+        for (uint32_t c = 0; c + 1 <= kNumDChunks; ++c)
+          tma_store_2d(&tmap_d, smem_d + c * BLOCK_M * 128, static_cast<int32_t>(n0 + c * 64), m0);
+        if constexpr (kTailCols > 0)
+          tma_store_2d(&tmap_d_tail, smem_d + kNumDChunks * BLOCK_M * 128,
+                       static_cast<int32_t>(n0 + kNumDChunks * 64), m0);
+        tma_store_commit();
+      }
+    };
+
     bool has_tile = scheduler.next(m_block, n_block);
+    bool has_prev = false;  // kTwoAccum: a computed tile whose epilogue has not run yet
+    uint32_t prev_m_block = 0, prev_n_block = 0;
     if (has_tile) prefetch_sb(n_block);
     while (has_tile) {
       const uint32_t n0 = n_block * BLOCK_N;
-      // The previous tile's epilogue barrier ordered every math thread's reads of smem_sb first.
+      // Every math thread must be done reading smem_sb: without kTwoAccum the previous tile's
+      // epilogue barriers see to that; with it, that epilogue comes later.
+      if (kTwoAccum && has_prev) named_barrier_sync(1, kNumMathThreads);
 #pragma unroll
       for (uint32_t j = 0; j < kSbPerThread; ++j) {
         const uint32_t i = threadIdx.x + j * kNumMathThreads;
@@ -222,12 +279,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       if (has_next) prefetch_sb(next_n_block);
       // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
       const uint32_t num_first = (128 - n0 % 128) / 8;
-
-      float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
-#pragma unroll
-      for (uint32_t w = 0; w < kNumWaves; ++w)
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
       // The wgmma of k-block kb (in the current stage) for wave w into acc_, committed as one group.
       auto issue = [&](float (&acc_)[kNumAccum], uint32_t kb, uint32_t w) {
@@ -303,9 +354,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           held[slot] = stage;
           next_stage();
         };
-        // n is a compile-time constant at both (inlined) calls, so the loop unrolls fully.
-        auto chunk = [&](uint32_t n, uint32_t kb0) {
-          start(acc, 0, kb0);
+        // n is a compile-time constant at every (inlined) call, so the loop unrolls fully.
+        auto chunk = [&](uint32_t n, uint32_t kb0, bool started) {
+          if (!started) start(acc, 0, kb0);
 #pragma unroll
           for (uint32_t j = 0; j < n; ++j) {
             float (&cur)[kNumAccum] = j % 2 == 0 ? acc : acc1;
@@ -320,10 +371,20 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
             promote(final_acc[0], cur, sa0[j % 2], sa1[j % 2], sb0[j % 2], sb1[j % 2]);
           }
         };
-        uint32_t kb = 0;
-        for (; kb + kKChunk <= kNumKBlocks; kb += kKChunk) chunk(kKChunk, kb);
-        if constexpr (kNumKBlocks % kKChunk != 0) chunk(kNumKBlocks % kKChunk, kb);
+        // NOTE: the tile's first wgmma goes to the tensor cores before the previous tile's
+        // epilogue, which then runs under it (the sums are free once the epilogue has read them).
+        start(acc, 0, 0);
+        if (has_prev) epilogue(prev_m_block, prev_n_block);
+        zero_sums();
+        constexpr uint32_t kFirst = kNumKBlocks < kKChunk ? kNumKBlocks : kKChunk;
+        chunk(kFirst, 0, true);
+        uint32_t kb = kFirst;
+        for (; kb + kKChunk <= kNumKBlocks; kb += kKChunk) chunk(kKChunk, kb, false);
+        if constexpr ((kNumKBlocks - kFirst) % kKChunk != 0)
+          chunk((kNumKBlocks - kFirst) % kKChunk, kb, false);
+        prev_m_block = m_block, prev_n_block = n_block, has_prev = true;
       } else {
+        zero_sums();
         for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
           mbar_wait(&full_bar[stage], phase);
           const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
@@ -341,46 +402,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         }
       }
 
-      // --- epilogue: registers -> bf16 tile in shared memory -> one TMA store -------------------
-      // The previous tile's store must have finished reading smem_d before it is overwritten.
-      if (threadIdx.x == 0) tma_store_wait_read();
-      named_barrier_sync(1, kNumMathThreads);
-#pragma unroll
-      for (uint32_t w = 0; w < kNumWaves; ++w) {
-        const uint32_t row = w * WAVE_M + r0;
-#pragma unroll
-        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-          const uint32_t p0 = pack_bf16x2(final_acc[w][4 * g + 0], final_acc[w][4 * g + 1]);
-          const uint32_t p1 = pack_bf16x2(final_acc[w][4 * g + 2], final_acc[w][4 * g + 3]);
-          if (g / 8 + 1 <= kNumDChunks) {  // (g < 8 * kNumDChunks, without a warning at 0 chunks)
-            // 16-byte unit g % 8 of row r sits at unit (g % 8) ^ (r % 8); row % 8 == (row + 8) % 8.
-            uint8_t* chunk = smem_d + (g / 8) * BLOCK_M * 128;
-            const uint32_t unit = ((g % 8) ^ (row % 8)) * 16 + col_in_group * 2;
-            st_shared_u32(chunk + row * 128 + unit, p0);
-            st_shared_u32(chunk + (row + 8) * 128 + unit, p1);
-          } else {
-            uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
-            const uint32_t col = (g - kNumDChunks * 8) * 8 + col_in_group;
-            st_shared_u32(tail + (row * kTailCols + col) * 2, p0);
-            st_shared_u32(tail + ((row + 8) * kTailCols + col) * 2, p1);
-          }
-        }
-      }
-      fence_proxy_async_smem();
-      named_barrier_sync(1, kNumMathThreads);
-      // NOTE: TMA clips the store at M and N, so partial tiles need no masking.
-      if (threadIdx.x == 0) {
-        const int32_t m0 = static_cast<int32_t>(m_block * BLOCK_M);
-#pragma unroll
-        for (uint32_t c = 0; c + 1 <= kNumDChunks; ++c)
-          tma_store_2d(&tmap_d, smem_d + c * BLOCK_M * 128, static_cast<int32_t>(n0 + c * 64), m0);
-        if constexpr (kTailCols > 0)
-          tma_store_2d(&tmap_d_tail, smem_d + kNumDChunks * BLOCK_M * 128,
-                       static_cast<int32_t>(n0 + kNumDChunks * 64), m0);
-        tma_store_commit();
-      }
+      if constexpr (!kTwoAccum) epilogue(m_block, n_block);
       m_block = next_m_block, n_block = next_n_block, has_tile = has_next;
     }
+    if (has_prev) epilogue(prev_m_block, prev_n_block);
     if (threadIdx.x == 0) tma_store_wait_all();
   }
 
