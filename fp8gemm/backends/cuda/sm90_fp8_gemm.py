@@ -46,20 +46,21 @@ BAND_SIZE = 16
 #   rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights compete).
 #   BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128 at equal wave
 #   counts on the six M = 4096 shapes (scripts/cuda_ab.py, H200): 1.06. Tiles wider than 128:
-#   1.02 (256x136 ran at 0.87x the per-FLOP rate of 256x128, 4096x24576x1536, where 136/160
-#   says 0.85).
-#   Two wgmma accumulators in flight on 128x128 (use_two_accum): timed as the bench CLI times
-#   (cuda_ab.py --method bench), 1.03-1.10x 256x128 at M = 1024-2048 and 0.98-1.00x at M = 4096;
-#   the tile's cost / 1.07 at K >= 2048 (they gained 2-3 % less at K = 512-1536).
+#   0.96 at BLOCK_M <= 128 (128x160 ran 0.89x 128x128's per-FLOP rate with its two accumulators,
+#   0.96 / 1.07 = 0.90), 1.02 at 256 (256x136 ran 0.87x 256x128's, 136/160 alone says 0.85).
+#   Two wgmma accumulators in flight on 128x128 (use_two_accum), the epilogue under the next
+#   tile's first wgmma: timed as the bench CLI times (cuda_ab.py --method bench), 0.97-1.09x
+#   256x128 at M = 1024-4096 from K = 1536, 0.98x at K = 512: the tile's cost / 1.07 at
+#   K >= 1024.
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
 LOAD_WEIGHT = 128
 ONE_WARPGROUP_EFFICIENCY = 0.4
 TWO_WAVE_EFFICIENCY = 1.06
 TWO_ACCUM_EFFICIENCY = 1.07
-TWO_ACCUM_MIN_K = 2048
+TWO_ACCUM_MIN_K = 1024
 TWO_ACCUM_MAX_K = 49152
-WIDE_TILE_EFFICIENCY = 1.02
+WIDE_TILE_EFFICIENCY = {64: 0.96, 128: 0.96, 256: 1.02}
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
@@ -92,7 +93,7 @@ def use_two_accum(block_m: int, block_n: int, k: int) -> bool:
 def mma_efficiency(block_m: int, block_n: int) -> float:
     eff = block_n / align(block_n, 32)
     if block_n > 128:
-        eff *= WIDE_TILE_EFFICIENCY
+        eff *= WIDE_TILE_EFFICIENCY[block_m]
     if block_m == 64:
         eff *= ONE_WARPGROUP_EFFICIENCY
     elif block_m == 256:
