@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -78,8 +79,6 @@ def variant(m: int, n: int, k: int, base: g.Sm90GemmConfig, spec: str, num_sms: 
 
 def bench_method_times_us(fns: dict, reps: int) -> dict:
     """Median device time of each fn under the bench CLI's per-run method, run by run in turn."""
-    import statistics
-
     timer = DeviceTimer(torch.device("cuda"))
     sleep = timer.sleep_cycles(30.0)
     times = {name: [] for name in fns}

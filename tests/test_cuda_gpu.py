@@ -182,7 +182,8 @@ def test_multiple_kernels_and_devices_state(gpu_device):
 @pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a,two_accum", FORCED_CONFIGS)
 def test_forced_configs(m, n, k, bm, bn, multicast, on_a, two_accum, gpu_device):
     """Configs the heuristic may not pick today (2-CTA multicast of A or B, wide odd tiles,
-    BLOCK_M 256) stay correct: built directly, bypassing the heuristic."""
+    BLOCK_M 256, two accumulators on any width) stay correct: built directly, bypassing the
+    heuristic."""
     from fp8gemm.backends.cuda import sm90_fp8_gemm as g
 
     facts = g.DeviceFacts.of(gpu_device)

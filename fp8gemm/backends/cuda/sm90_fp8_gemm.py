@@ -19,8 +19,8 @@ from ...layout import _SmCount
 from ...problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 
 __all__ = ["DeviceFacts", "Sm90GemmConfig", "select_config", "candidate_configs", "smem_bytes",
-           "num_threads", "tile_cost", "mma_efficiency", "use_two_accum", "kernel_source", "build_kernel",
-           "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
+           "num_threads", "tile_cost", "mma_efficiency", "use_two_accum", "kernel_source",
+           "build_kernel", "fp8_gemm_nt", "BLOCK_K", "BLOCK_N_CHOICES"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 BLOCK_K = 128
@@ -145,7 +145,7 @@ class Sm90GemmConfig:
     grid: int  # persistent CTAs
     smem: int  # dynamic shared memory, bytes
     num_threads: int
-    two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M <= 128, BLOCK_N <= 144)
+    two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M 128, BLOCK_N <= 128)
 
     def __str__(self) -> str:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
