@@ -32,12 +32,12 @@ def _compile(kind: int, out: torch.dtype, stages: int):
     sig = {name: "i32" for name in fn.arg_names}
     sig.update(a_desc=f"tensordesc<fp8e4nv[128, 128],{la!r}>",
                b_desc=f"tensordesc<fp8e5[128, 128],{lb!r}>",
-               out_desc=f"tensordesc<{_GL[out]}[128, 128],{lo!r}>", out_ptr=f"*{_GL[out]}",
+               out_desc=f"tensordesc<{_GL[out]}[64, 128],{lo!r}>", out_ptr=f"*{_GL[out]}",
                sa_ptr="*fp32", sb_ptr="*fp32", idx_ptr="*i32")
-    consts = dict(KIND=kind, GROUP_M=8, STAGES=stages, num_warps=8)
+    consts = dict(KIND=kind, GROUP_M=8, STAGES=stages, num_warps=4)
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8, maxnreg=gluon_fp8_gemm._MAXNREG))
+                          options=dict(num_warps=4, maxnreg=gluon_fp8_gemm._MAXNREG))
 
 
 @pytest.mark.skipif(not _PTXAS.exists(), reason="Triton without its ptxas")

@@ -10,9 +10,12 @@ promotion serialise within a warpgroup (docs/triton.md). Gluon states the waits 
 
 - a loader warp (warp specialisation) streams A and B tiles through a ring of STAGES shared
   memory buffers with TMA, guarded by `ready` / `empty` mbarriers;
-- the consumer warpgroups (num_warps = 8: two m64 halves of a 128-row tile) issue the wgmma of
-  K block kb + 1 before they wait for K block kb (`warpgroup_mma_wait(1)`), so the FFMA
-  promotion of kb overlaps the tensor cores working on kb + 1 (two accumulators in flight);
+- two consumer warpgroups, each its own partition, take the two m64 halves of a 128-row tile
+  (A's half is a slice of the shared tile; both read the same B tile and release each stage);
+  as separate partitions they wait and arrive on the mbarriers without a barrier across both,
+  so one promotes while the other's wgmma runs. Each issues the wgmma of K block kb + 1 before
+  it waits for K block kb (`warpgroup_mma_wait(1)`), so the FFMA promotion of kb overlaps the
+  tensor cores working on kb + 1 (two accumulators in flight);
 - persistent over output tiles in an L2-grouped order; tiles whose rows are all written leave
   through shared memory and a TMA store (clipped to `out`) while the next tile's loads
   proceed, others through register stores under their row mask.
@@ -36,10 +39,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 __all__ = ["launch_gluon_gemm", "gluon_layouts"]
 
-# NOTE: 8 consumer warps + 1 loader warp occupy 12 warps' register slots (allocation is per
+# NOTE: 2 x 4 consumer warps + 1 loader warp occupy 12 warps' register slots (allocation is per
 # warpgroup): maxnreg = 65536 / 384 rounded down to 8; setmaxnreg then gives the loader
-# warpgroup _LOADER_REGS and the consumers the rest (232).
+# warpgroup _LOADER_REGS, the worker consumer _CONSUMER_REGS and the default one the rest.
 _LOADER_REGS = gl.constexpr(40)
+_CONSUMER_REGS = gl.constexpr(232)
 _MAXNREG = 168
 
 
@@ -55,33 +59,46 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _row_groups(offs_m, idx_ptr, M_A, G):
+    """Contiguous: the group of each row of A (G for padding: values outside [0, G))."""
+    gid = gl.load(idx_ptr + offs_m, mask=offs_m < M_A, other=-1)
+    return gl.where((gid >= 0) & (gid < G), gid, G)
+
+
+@gluon.jit
+def _rows_ok(offs_m, g, idx_ptr, M_A, G, MMAX, KIND: gl.constexpr):
+    """Which of the rows offs_m (within group g) the tile writes. Dense: the rows of A.
+    Masked: m < min(masked_m[g], Mmax). Contiguous: rows with m_indices[m] == g."""
+    if KIND == 3:
+        ok = offs_m < gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
+    elif KIND == 1:
+        gid = _row_groups(offs_m, idx_ptr, M_A, G)
+        ok = (gid == g) & (gid < G)  # a tile of padding only: g == G, no row
+    else:
+        ok = offs_m < M_A
+    return ok
+
+
+@gluon.jit
 def _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX, KIND: gl.constexpr,
                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
-    """(group, m tile, n tile, the tile's rows in its group, which of them it writes) of a
-    linear tile index; a tile that writes no row is skipped. Dense: the rows of A. Masked: the
-    tiles of group g follow those of g - 1, rows m < min(masked_m[g], Mmax). Contiguous: an m
-    tile computes the first group among its rows' m_indices (values outside [0, G) are
-    padding), rows with m_indices[m] == g; the Triton kernel's second launch takes any further
-    groups."""
+    """(group, m tile, n tile, whether the tile writes any row) of a linear tile index; a tile
+    that writes no row is skipped. Masked: the tiles of group g follow those of g - 1.
+    Contiguous: an m tile computes the first group among its rows' m_indices; the Triton
+    kernel's second launch takes any further groups."""
     if KIND == 3:
         per_group = num_pid_m * num_pid_n
         g = tile // per_group
         pid_m, pid_n = _tile_coords(tile % per_group, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
-        m_ok = offs_m < gl.minimum(gl.maximum(gl.load(idx_ptr + g), 0), MMAX)
-    elif KIND == 1:
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
-        gid = gl.load(idx_ptr + offs_m, mask=offs_m < M_A, other=-1)
-        gid = gl.where((gid >= 0) & (gid < G), gid, G)
-        g = gl.min(gid, 0)
-        m_ok = (gid == g) & (gid < G)  # a tile of padding only: g == G, no row
     else:
-        g = tile * 0
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
-        m_ok = offs_m < M_A
-    return g, pid_m, pid_n, offs_m, m_ok
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
+    if KIND == 1:
+        g = gl.min(_row_groups(offs_m, idx_ptr, M_A, G), 0)
+    elif KIND != 3:
+        g = tile * 0
+    m_ok = _rows_ok(offs_m, g, idx_ptr, M_A, G, MMAX, KIND)
+    return g, pid_m, pid_n, gl.max(m_ok.to(gl.int32), 0) == 1
 
 
 @gluon.jit
@@ -98,9 +115,9 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, idx_ptr, shape,
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, pid_m, pid_n, _, m_ok = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G,
-                                              MMAX, KIND, GROUP_M, BLOCK_M, rows_layout)
-        if gl.max(m_ok.to(gl.int32), 0) == 1:
+        g, pid_m, pid_n, active = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX,
+                                             KIND, GROUP_M, BLOCK_M, rows_layout)
+        if active:
             # NOTE: A and B are [rows, K] matrices; a box that runs past its group reads other
             # groups' rows, which only feed output rows / columns never stored.
             a_row = (g * MMAX if KIND == 3 else 0) + pid_m * BLOCK_M
@@ -119,13 +136,15 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, idx_ptr, shape,
 
 
 @gluon.jit
-def _issue_mma(a_bufs, b_bufs, ready, it, regs, STAGES: gl.constexpr):
-    """Wait for K step `it`'s tiles and start its wgmma into a fresh accumulator held in the
-    registers of `regs` (a finished accumulator: use_acc=False ignores its values)."""
+def _issue_mma(a_bufs, b_bufs, ready, it, regs, WG: gl.constexpr, HALF: gl.constexpr,
+               STAGES: gl.constexpr):
+    """Wait for K step `it`'s tiles and start the wgmma of this warpgroup's rows of A into a
+    fresh accumulator held in the registers of `regs` (a finished accumulator: use_acc=False
+    ignores its values)."""
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    return warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), regs,
-                         use_acc=False, is_async=True)
+    return warpgroup_mma(a_bufs.index(s).slice(WG * HALF, HALF), b_bufs.index(s).permute((1, 0)),
+                         regs, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -153,45 +172,52 @@ def _promote(total, acc, scale, OUTSTANDING: gl.constexpr, empty, it, STAGES: gl
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr, sb_ptr,
-              idx_ptr, shape, sstrides,
+def _consumer(WG: gl.constexpr, a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, stride_om,
+              sa_ptr, sb_ptr, idx_ptr, shape, sstrides,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr, KIND: gl.constexpr,
-              num_warps: gl.constexpr):
-    """Consumers: wgmma per K block into a fresh accumulator, promoted with its scales into the
-    FP32 sum while the next K block's wgmma runs; then the epilogue."""
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr, KIND: gl.constexpr):
+    """Consumer warpgroup WG (rows [WG * 64, WG * 64 + 64) of each tile): wgmma per K block into
+    a fresh accumulator, promoted with its scales into the FP32 sum while the next K block's
+    wgmma runs; then the epilogue of its rows."""
+    HALF: gl.constexpr = BLOCK_M // 2
     M_A, N, K, G, MMAX = shape
     stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk = sstrides
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    tile_rows_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 128], [32], [4], [0])
     num_pid_m = gl.cdiv(MMAX, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = (G if KIND == 3 else 1) * num_pid_m * num_pid_n
     k_blocks = gl.cdiv(K, BLOCK_K)
+    c_smem = c_bufs.index(WG)
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        g, pid_m, pid_n, offs_m, m_ok = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G,
-                                                   MMAX, KIND, GROUP_M, BLOCK_M, row_layout)
-        if gl.max(m_ok.to(gl.int32), 0) == 1:
+        # NOTE: both consumers and the loader skip the same tiles (decided on all 128 rows).
+        g, pid_m, pid_n, active = _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX,
+                                             KIND, GROUP_M, BLOCK_M, tile_rows_layout)
+        if active:
+            base = pid_m * BLOCK_M + WG * HALF
+            offs_m = base + gl.arange(0, HALF, layout=row_layout)
+            m_ok = _rows_ok(offs_m, g, idx_ptr, M_A, G, MMAX, KIND)
             full = gl.min(m_ok.to(gl.int32), 0) == 1
-            row0 = (g * MMAX if KIND == 3 else 0) + pid_m * BLOCK_M
+            row0 = (g * MMAX if KIND == 3 else 0) + base
             it = _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om,
-                       sa_ptr, sb_ptr, g, pid_m, pid_n, offs_m, m_ok, full, row0, it, N,
+                       sa_ptr, sb_ptr, g, pid_n, base, offs_m, m_ok, full, row0, it, N,
                        k_blocks, stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn,
-                       stride_sbk, BLOCK_M, BLOCK_N, STAGES, mma_layout, col_layout)
+                       stride_sbk, WG, HALF, BLOCK_N, STAGES, mma_layout, col_layout)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr, sb_ptr,
-          g, pid_m, pid_n, offs_m, m_ok, full, row0, it, N, k_blocks,
+          g, pid_n, base, offs_m, m_ok, full, row0, it, N, k_blocks,
           stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          WG: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           mma_layout: gl.constexpr, col_layout: gl.constexpr):
-    """One output tile: the K loop, then the store of the rows m_ok (out rows row0 + i).
-    Returns the K step counter."""
+    """This warpgroup's half of one output tile (rows offs_m = base + i): the K loop, then the
+    store of the rows m_ok (out rows row0 + i). Returns the K step counter."""
     sa_rows = sa_ptr + g * stride_sag + offs_m * stride_sam
     # NOTE: BLOCK_N divides 128, so the tile lies in one 128-wide scale block of B
     sb_tile = sb_ptr + g * stride_sbg + (pid_n * BLOCK_N // 128) * stride_sbn
@@ -199,21 +225,21 @@ def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa
     # promoted: a load issued just before its use stalls the warpgroup for its L2 latency.
     sc_x = _scales(sa_rows, sb_tile, 0, k_blocks, m_ok, stride_sak, stride_sbk)
     sc_y = _scales(sa_rows, sb_tile, 1, k_blocks, m_ok, stride_sak, stride_sbk)
-    total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-    acc_y = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
-    acc_x = _issue_mma(a_bufs, b_bufs, ready, it, acc_y, STAGES)
+    total = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+    acc_y = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+    acc_x = _issue_mma(a_bufs, b_bufs, ready, it, acc_y, WG, HALF, STAGES)
     for kb in range(0, k_blocks - 2, 2):
-        acc_y = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
+        acc_y = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, WG, HALF, STAGES)
         nx = _scales(sa_rows, sb_tile, kb + 2, k_blocks, m_ok, stride_sak, stride_sbk)
         ny = _scales(sa_rows, sb_tile, kb + 3, k_blocks, m_ok, stride_sak, stride_sbk)
         acc_x, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
-        acc_x = _issue_mma(a_bufs, b_bufs, ready, it + 2, acc_x, STAGES)
+        acc_x = _issue_mma(a_bufs, b_bufs, ready, it + 2, acc_x, WG, HALF, STAGES)
         acc_y, total = _promote(total, acc_y, sc_y, 1, empty, it + 1, STAGES)
         sc_x = nx
         sc_y = ny
         it += 2
     if k_blocks % 2 == 0:
-        last = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, STAGES)
+        last = _issue_mma(a_bufs, b_bufs, ready, it + 1, acc_y, WG, HALF, STAGES)
         _, total = _promote(total, acc_x, sc_x, 1, empty, it, STAGES)
         _, total = _promote(total, last, sc_y, 0, empty, it + 1, STAGES)
         it += 2
@@ -231,7 +257,7 @@ def _tile(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa
         tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N], c_smem)
     else:
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        out_rows = (row0 - pid_m * BLOCK_M + offs_m).to(gl.int64) * stride_om
+        out_rows = (row0 - base + offs_m).to(gl.int64) * stride_om
         ptrs = out_ptr + gl.expand_dims(out_rows, 1) + gl.expand_dims(offs_n, 0)
         mask = gl.expand_dims(m_ok, 1) & gl.expand_dims(offs_n < N, 0)
         gl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -249,27 +275,33 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, id
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     gl.static_assert(BLOCK_K == 128, "a K block is one scale block")
     gl.static_assert(128 % BLOCK_N == 0, "an n tile must lie in one 128-wide scale block of B")
+    gl.static_assert(BLOCK_M == 128 and num_warps == 4, "two consumer warpgroups of 64 rows")
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
                                        a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
-    c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    # One epilogue tile per consumer warpgroup (out_desc's block is half a tile's rows).
+    c_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape,
+                                       out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
 
     shape = (M_A, N, K, G, MMAX)
     sstrides = (stride_sag, stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, stride_om, sa_ptr,
-                     sb_ptr, idx_ptr, shape, sstrides,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, KIND, num_warps)),
+        (_consumer, (0, a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, stride_om, sa_ptr,
+                     sb_ptr, idx_ptr, shape, sstrides, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                     KIND)),
+        (_consumer, (1, a_bufs, b_bufs, ready, empty, c_bufs, out_desc, out_ptr, stride_om, sa_ptr,
+                     sb_ptr, idx_ptr, shape, sstrides, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                     KIND)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, idx_ptr, shape,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, KIND)),
-    ], [1], [_LOADER_REGS])
+    ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,12 +311,13 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, id
 @functools.lru_cache(maxsize=None)
 def gluon_layouts(a: torch.dtype, b: torch.dtype, out: torch.dtype, block_m: int, block_n: int,
                   block_k: int):
-    """Shared-memory layouts of the A, B and out tiles (128-byte swizzle where the row allows)."""
+    """Shared-memory layouts of the A and B tiles and of one consumer warpgroup's out box (half
+    the tile's rows), 128-byte swizzle where the row allows."""
     g = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
          torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
     return (gl.NVMMASharedLayout.get_default_for([block_m, block_k], g[a]),
             gl.NVMMASharedLayout.get_default_for([block_n, block_k], g[b]),
-            gl.NVMMASharedLayout.get_default_for([block_m, block_n], g[out]))
+            gl.NVMMASharedLayout.get_default_for([block_m // 2, block_n], g[out]))
 
 
 def launch_gluon_gemm(kind: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -297,10 +330,12 @@ def launch_gluon_gemm(kind: int, a: torch.Tensor, b: torch.Tensor, out: torch.Te
     k = a.shape[1]
     n = out.shape[1]
     la, lb, lo = gluon_layouts(a.dtype, b.dtype, out.dtype, block_m, block_n, 128)
+    # NOTE: each consumer warpgroup stores its 64 rows: out's box is half a tile.
     a_desc = TensorDescriptor(a, list(a.shape), [k, 1], [block_m, 128], la)
     b_desc = TensorDescriptor(b, list(b.shape), [k, 1], [block_n, 128], lb)
-    o_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m, block_n], lo)
+    o_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m // 2, block_n],
+                              lo)
     _gluon_fp8_gemm_kernel[(num_programs,)](
         a_desc, b_desc, o_desc, out, sa, sb, idx if idx is not None else sa,
         a.shape[0], n, k, groups, mmax, out.stride(0), *scale_strides,
-        KIND=kind, GROUP_M=group_m, STAGES=stages, num_warps=8, maxnreg=_MAXNREG)
+        KIND=kind, GROUP_M=group_m, STAGES=stages, num_warps=4, maxnreg=_MAXNREG)
