@@ -351,9 +351,12 @@ def test_block_scale_layouts_for_cublas():
 class _StandInTimer:
     """The runner's timer on the CPU: 'device time' = the host time per call."""
 
-    def time_us(self, fn, host_us, runs=30):
-        fn()
-        return [host_us] * runs
+    def time_interleaved_us(self, calls, runs=30):
+        out = []
+        for fn, host_us in calls:
+            fn()
+            out.append([host_us] * runs)
+        return out
 
 
 def test_runner_on_cpu_with_reference_and_bf16():

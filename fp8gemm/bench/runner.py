@@ -71,6 +71,9 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
             continue
         data = make_data(case, device, seed)
         ref = _reference(data)
+        # Every impl is checked and its eager time taken first; then all are timed together,
+        # run by run in turn (DeviceTimer.time_interleaved_us).
+        ready = []  # (impl, made, diff, eager)
         for impl in todo:
             try:
                 made = make_impl(impl, data, block_way)
@@ -84,13 +87,22 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
             try:
                 out = made.output()
                 diff = calc_diff(out, ref) if not bool(torch.isnan(out).any()) else float("nan")
-                eager = eager_time_us(made.fn, device)
-                us = median(timer.time_us(made.fn, eager.host_us, runs))
+                ready.append((impl, made, diff, eager_time_us(made.fn, device)))
             except Exception as e:  # noqa: BLE001 - a failing impl must not end the benchmark
-                why = f"failed while timed: {type(e).__name__}: {e}"
+                why = f"failed: {type(e).__name__}: {e}"
                 if _skip(res, case, impl, why, why, device, log):
                     return res
-                continue
+        try:
+            times = timer.time_interleaved_us([(m.fn, eager.host_us) for _, m, _, eager in ready],
+                                              runs)
+        except Exception as e:  # noqa: BLE001
+            why = f"failed while timed: {type(e).__name__}: {e}"
+            for impl, *_ in ready:
+                if _skip(res, case, impl, why, why, device, log):
+                    return res
+            ready, times = [], []
+        for (impl, made, diff, eager), runs_us in zip(ready, times):
+            us = median(runs_us)
             row = make_row(case.suite, case.op, case.shape, impl, us, eager.wall_us,
                            tflops(case.flops, us), gbs(case.min_bytes, us), diff)
             res.rows.append(row)
