@@ -354,7 +354,9 @@ def markdown(docs: list[tuple[str, dict]], title: str | None = None,
     out = [f"# {title}\n"] if title else []
     out.append(
         "Device µs: median of >= 30 runs, CUDA events, L2 flushed (256 MB memset) before each "
-        "run, launch cost hidden behind a sleep kernel. Eager µs: 50 back-to-back calls, wall "
+        "run, launch cost hidden behind a sleep kernel; from commit eaae003 on, the impls of a "
+        "shape take turns run by run (earlier files timed one impl after the other). Eager µs: "
+        "50 back-to-back calls, wall "
         "clock per call. TFLOPS and GB/s use the problem's FLOPs and fewest bytes (fp8 A and B, "
         "fp32 scales, bf16 out, each once) for every impl. diff: 1 - 2Σxy/Σ(x²+y²) against a "
         "float64 product of the dequantised inputs (cublas-tensor and cublas-rowwise-grouped "
