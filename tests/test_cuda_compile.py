@@ -119,7 +119,8 @@ def test_cost_model_matches_h200_measurements():
     assert g.tile_cost(256, 128) < 2 * g.tile_cost(128, 128)
     assert g.tile_cost(128, 128, k=7168) < g.tile_cost(256, 128) / 2 < g.tile_cost(128, 128, k=512)
     # Two accumulators on 128x128 tiles, where they were measured and compile clean (below).
-    assert g.use_two_accum(128, 128, 7168) and not g.use_two_accum(128, 128, g.TWO_ACCUM_MAX_K + 128)
+    assert g.use_two_accum(128, 128, 7168)
+    assert not g.use_two_accum(128, 128, g.TWO_ACCUM_MAX_K + 128)
     assert not (g.use_two_accum(256, 128, 7168) or g.use_two_accum(128, 112, 7168))
 
 
