@@ -63,8 +63,10 @@ def report() -> int:
     from .jit.compiler import nvcc_path, nvrtc_ident
 
     nvrtc, nvcc = nvrtc_ident(), nvcc_path()
-    _line(True if nvrtc else None, "NVRTC", nvrtc or "not found", "pip install 'fp8gemm[cuda]' (cuda-bindings + nvidia-cuda-nvrtc)")
-    _line(True if nvcc else None, "nvcc", nvcc or "not on PATH, in $CUDA_HOME/bin or /usr/local/cuda",
+    _line(True if nvrtc else None, "NVRTC", nvrtc or "not found",
+          "pip install 'fp8gemm[cuda]' (cuda-bindings + nvidia-cuda-nvrtc)")
+    _line(True if nvcc else None, "nvcc",
+          nvcc or "not on PATH, in $CUDA_HOME/bin or /usr/local/cuda",
           "only needed when NVRTC is missing (FP8GEMM_JIT_COMPILER=nvcc)")
     if hopper and not (nvrtc or nvcc):
         ok &= _line(False, "CUDA JIT", "no compiler for the CUDA backend",

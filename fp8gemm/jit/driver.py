@@ -13,8 +13,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-__all__ = ["DriverError", "bind_hot_path", "check", "lib", "error_name", "CUlaunchAttribute", "CUlaunchConfig",
-           "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION"]
+__all__ = ["DriverError", "bind_hot_path", "check", "lib", "error_name", "CUlaunchAttribute",
+           "CUlaunchConfig", "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION"]
 
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 
