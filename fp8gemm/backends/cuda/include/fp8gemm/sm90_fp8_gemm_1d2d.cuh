@@ -115,7 +115,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_sb) + Layout::SMEM_SB);
   uint64_t* empty_bar = full_bar + kNumStages;
 
-  const uint32_t warpgroup = threadIdx.x / 128;
+  // NOTE: broadcast from lane 0 so that the compiler knows it is warp-uniform: the wgmma A
+  // descriptors derived from it then live in uniform registers, off the math warps' vector
+  // datapath (a per-thread value cost five vector instructions per wgmma to build and move).
+  const uint32_t warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const uint32_t lane = lane_idx();
 
   // --- barrier setup ----------------------------------------------------------------------------
@@ -188,6 +191,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // This thread's accumulator rows are r0 and r0 + 8 of each wave (wgmma D fragment layout).
     const uint32_t r0 = warpgroup * WGMMA_M + warp_in_wg * 16 + lane / 4;
     const uint32_t col_in_group = (lane % 4) * 2;
+    // This thread's A scales in stage 0 (a stage's are BLOCK_M floats further): one per-thread
+    // base, so each load is that register plus a warp-uniform offset.
+    const float* sa_rows = smem_sa + r0;
     uint32_t stage = 0, phase = 0;
 
     // B scales of the (at most two) 128-wide blocks a tile touches, for every k-block: each math
@@ -346,8 +352,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         uint32_t held[2];  // stage of the k-block in flight in acc / acc1
         auto start = [&](float (&acc_)[kNumAccum], uint32_t slot, uint32_t kb) {
           mbar_wait(&full_bar[stage], phase);
-          sa0[slot] = smem_sa[stage * BLOCK_M + r0];
-          sa1[slot] = smem_sa[stage * BLOCK_M + r0 + 8];
+          sa0[slot] = sa_rows[stage * BLOCK_M];
+          sa1[slot] = sa_rows[stage * BLOCK_M + 8];
           sb0[slot] = smem_sb[kb];
           sb1[slot] = smem_sb[kNumKBlocks + kb];
           issue(acc_, kb, 0);
@@ -390,9 +396,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
           for (uint32_t w = 0; w < kNumWaves; ++w) {
-            const uint32_t row = w * WAVE_M + r0;
-            const float sa0 = smem_sa[stage * BLOCK_M + row];
-            const float sa1 = smem_sa[stage * BLOCK_M + row + 8];
+            const float sa0 = sa_rows[stage * BLOCK_M + w * WAVE_M];
+            const float sa1 = sa_rows[stage * BLOCK_M + w * WAVE_M + 8];
             issue(acc, kb, w);
             wgmma_wait<0>();
             if (w + 1 == kNumWaves) release(stage);
