@@ -16,7 +16,8 @@ A variant is the heuristic's config with changes, named by '+'-joined parts:
   mcA, mcB  2-CTA multicast of A / B (when the block counts allow), mc0 = none
   bmM, bnN  BLOCK_M = M, BLOCK_N = N (stages, smem, threads, two accumulators recomputed)
   acc2, acc1  two wgmma accumulators in flight / one (after bm/bn)
-e.g. "bm256+mcB". Prints µs, TFLOPS and the speed-up over cuBLAS block-wise of the same round;
+  @NAME     built from the headers of --alt NAME=DIR (a copy of include/ with a kernel change)
+e.g. "bm256+mcB", "base@old". Prints µs, TFLOPS and the speed-up over cuBLAS block-wise of the same round;
 --json writes every row.
 """
 
@@ -108,6 +109,8 @@ def main() -> int:
     ap.add_argument("--once", action="store_true")
     ap.add_argument("--method", choices=("steady", "bench"), default="steady")
     ap.add_argument("--json", default="")
+    ap.add_argument("--alt", action="append", default=[],
+                    help="NAME=DIR: variants ending in @NAME compile from DIR's headers")
     args = ap.parse_args()
     dev = torch.device("cuda")
     facts = g.DeviceFacts.of(dev)
@@ -115,6 +118,7 @@ def main() -> int:
     # The calling convention of cuBLAS block-wise the bench uses (the first one right at its probe
     # shapes): another one may pick a slower cuBLAS kernel.
     block_way, _ = cublas_block_probe(dev)
+    alts = dict(a.split("=", 1) for a in args.alt)
     rows = []
     for spec in args.shapes.split(","):
         m, n, k = map(int, spec.split("x"))
@@ -126,11 +130,18 @@ def main() -> int:
         sa_k = g._kernel_a_scales(sa, m)
         fns, cfgs = {}, {}
         for vname in args.variants.split(","):
-            cfg = variant(m, n, k, base, vname, facts.num_sms)
-            if cfg is None or cfg in cfgs.values():
+            spec_part, _, alt = vname.partition("@")
+            cfg = variant(m, n, k, base, spec_part, facts.num_sms)
+            if cfg is None or (cfg, alt) in cfgs.values():
                 continue
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-            plan = g._Plan(problem, 0, cfg)
+            include_dir = g.INCLUDE_DIR
+            if alt:
+                g.INCLUDE_DIR = Path(alts[alt]).resolve()
+            try:
+                plan = g._Plan(problem, 0, cfg)
+            finally:
+                g.INCLUDE_DIR = include_dir
             pack = plan.params(a, sa_k, b, sb, out, (0,))
 
             def fn(plan=plan, pack=pack):
@@ -142,7 +153,7 @@ def main() -> int:
             if not diff < 1e-5:
                 print(f"{spec} {vname}: WRONG diff={diff:.2e} {cfg}", flush=True)
                 continue
-            fns[vname], cfgs[vname] = fn, cfg
+            fns[vname], cfgs[vname] = fn, (cfg, alt)
         if args.once:
             continue
         fns["cublas-block"] = make_impl("cublas-block", data, block_way).fn
@@ -151,9 +162,9 @@ def main() -> int:
         for name, us in times.items():
             x = times["cublas-block"] / us
             print(f"{spec:>18} {name:>14} {us:8.1f} us {2 * m * n * k / us / 1e6:6.0f} TFLOPS "
-                  f"{x:5.2f}x  {cfgs.get(name, '')}", flush=True)
+                  f"{x:5.2f}x  {cfgs.get(name, ('',))[0]}", flush=True)
             rows.append({"shape": spec, "variant": name, "us": us, "x_cublas_block": x,
-                         "config": str(cfgs.get(name, ""))})
+                         "config": str(cfgs.get(name, ("",))[0])})
         del a, b, ref, data
         torch.cuda.empty_cache()
     if rows:

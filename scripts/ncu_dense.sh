@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Hardware counters of the dense kernels on the GPU machine (Firecracker runtimes only: ncu reads
+# no counters under gVisor). Clocks are left alone (--clock-control none, the device README).
+#
+#   OUT=/tmp/ncu SHAPES="4096x4096x7168 4096x7168x2048" IMPLS="fp8gemm-cuda cublas-tensor" \
+#       bash scripts/ncu_dense.sh
+#
+# Per shape and impl: one warm-up call, then the profiled one (the kernels inside an NVTX range); the sections' text goes to
+# $OUT/ncu_<shape>_<impl>.txt and a few headline metrics to stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/ncu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FP8GEMM_CACHE_DIR="${FP8GEMM_CACHE_DIR:-/tmp/fp8gemm-cache}"
+SHAPES="${SHAPES:-4096x4096x7168}"
+IMPLS="${IMPLS:-fp8gemm-cuda cublas-tensor}"
+METRICS="sm__cycles_elapsed.avg.per_second,gpu__time_duration.sum,\
+sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,\
+sm__inst_executed_pipe_tensor_op_gmma.sum,\
+lts__t_bytes.sum.per_second,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,\
+smsp__issue_active.avg.pct_of_peak_sustained_elapsed,\
+smsp__inst_executed.sum,sm__warps_active.avg.per_cycle_active"
+for shape in $SHAPES; do
+    for impl in $IMPLS; do
+        tag="${shape}_${impl}"
+        timeout 240 ncu --clock-control none --nvtx --nvtx-include "profiled/" --launch-count 4 \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+            --section SourceCounters --print-details all --metrics "$METRICS" \
+            python3 - "$shape" "$impl" >"$OUT/ncu_$tag.txt" 2>&1 <<'PY'
+import sys, torch
+from fp8gemm.bench.suites import Case
+from fp8gemm.bench.impls import make_data, make_impl
+m, n, k = (int(v) for v in sys.argv[1].split("x"))
+data = make_data(Case("ncu", "dense", m, n, k), torch.device("cuda"))
+impl = make_impl(sys.argv[2], data)
+torch.cuda.synchronize()
+impl.fn()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_push("profiled")
+impl.fn()
+torch.cuda.nvtx.range_pop()
+torch.cuda.synchronize()
+PY
+        echo "== $tag (rc $?)"
+        grep -E "^  [a-zA-Z_]+ \(|Duration|SM Frequency|gmma|lts__t_bytes|hit_rate|dram__bytes|issue_active|inst_executed|Compute \(SM\) Throughput|Memory Throughput|Warp Cycles Per Issued|Stall|stall" \
+            "$OUT/ncu_$tag.txt" | head -40
+    done
+done
