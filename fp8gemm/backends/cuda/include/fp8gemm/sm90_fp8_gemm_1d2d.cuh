@@ -194,6 +194,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // This thread's A scales in stage 0 (a stage's are BLOCK_M floats further): one per-thread
     // base, so each load is that register plus a warp-uniform offset.
     const float* sa_rows = smem_sa + r0;
+    // wgmma descriptors of stage 0: this warpgroup's A rows, and B. Another stage (wave) sits
+    // whole multiples of 16 bytes further, added to the descriptor's 14-bit address field, which
+    // cannot carry out: shared memory ends below 256 KB.
+    const uint64_t desc_a0 = make_smem_desc_sw128(smem_a + warpgroup * WGMMA_M * BLOCK_K);
+    const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
     uint32_t stage = 0, phase = 0;
 
     // B scales of the (at most two) 128-wide blocks a tile touches, for every k-block: each math
@@ -288,9 +293,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
 
       // The wgmma of k-block kb (in the current stage) for wave w into acc_, committed as one group.
       auto issue = [&](float (&acc_)[kNumAccum], uint32_t kb, uint32_t w) {
-        const uint64_t desc_a = make_smem_desc_sw128(
-            smem_a + stage * Layout::SMEM_A + (w * WAVE_M + warpgroup * WGMMA_M) * BLOCK_K);
-        const uint64_t desc_b = make_smem_desc_sw128(smem_b + stage * Layout::SMEM_B);
+        const uint64_t desc_a = desc_a0 + (stage * Layout::SMEM_A + w * WAVE_M * BLOCK_K) / 16;
+        const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
         wgmma_fence();
