@@ -50,14 +50,17 @@ BAND_SIZE = 16
 #   0.96 / 1.07 = 0.90), 1.02 at 256 (256x136 ran 0.87x 256x128's, 136/160 alone says 0.85).
 #   Two wgmma accumulators in flight on 128x128 (use_two_accum), the epilogue under the next
 #   tile's first wgmma: timed as the bench CLI times (cuda_ab.py --method bench), 0.97-1.09x
-#   256x128 at M = 1024-4096 from K = 1536, 0.98x at K = 512: the tile's cost / 1.07 at
-#   K >= 1024.
+#   256x128 at M = 1024-4096 from K = 1536 while the wgmma descriptors were built per thread.
+#   With them warp-uniform (commits 1d6e202, cc1bfea) 256x128 gained more: 1.02-1.05x 128x128
+#   with two accumulators on the four M = 4096 shapes where both fill the same waves
+#   (benchmarks/experiments/2026-11-30-after-uniform-tiles-multicast-ab-bench.json), so the
+#   tile's cost / 1.02 at K >= 1024.
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
 LOAD_WEIGHT = 128
 ONE_WARPGROUP_EFFICIENCY = 0.4
 TWO_WAVE_EFFICIENCY = 1.06
-TWO_ACCUM_EFFICIENCY = 1.07
+TWO_ACCUM_EFFICIENCY = 1.02
 TWO_ACCUM_MIN_K = 1024
 TWO_ACCUM_MAX_K = 49152
 WIDE_TILE_EFFICIENCY = {64: 0.96, 128: 0.96, 256: 1.02}
