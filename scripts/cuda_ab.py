@@ -17,7 +17,8 @@ A variant is the heuristic's config with changes, named by '+'-joined parts:
   bmM, bnN  BLOCK_M = M, BLOCK_N = N (stages, smem, threads, two accumulators recomputed)
   acc2, acc1  two wgmma accumulators in flight / one (after bm/bn)
   @NAME     built from the headers of --alt NAME=DIR (a copy of include/ with a kernel change)
-e.g. "bm256+mcB", "base@old". Prints µs, TFLOPS and the speed-up over cuBLAS block-wise of the same round;
+e.g. "bm256+mcB", "base@old". Prints µs, TFLOPS and the speed-up over cuBLAS block-wise of the
+same round;
 --json writes every row.
 """
 

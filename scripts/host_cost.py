@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--rounds", type=int, default=0,
-                   help="then time 'op cuda, out given' again, shapes interleaved, this many rounds")
+                   help="then time 'op cuda, out given' again: this many rounds over the shapes")
     args = p.parse_args()
     dev = torch.device("cuda")
     timer = DeviceTimer(dev)

@@ -5,8 +5,8 @@
 #   OUT=/tmp/ncu SHAPES="4096x4096x7168 4096x7168x2048" IMPLS="fp8gemm-cuda cublas-tensor" \
 #       bash scripts/ncu_dense.sh
 #
-# Per shape and impl: one warm-up call, then the profiled one (the kernels inside an NVTX range); the sections' text goes to
-# $OUT/ncu_<shape>_<impl>.txt and a few headline metrics to stdout.
+# Per shape and impl: one warm-up call, then the profiled one (the kernels inside an NVTX
+# range); the sections' text goes to $OUT/ncu_<shape>_<impl>.txt, a few headline metrics to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/ncu_out}"
@@ -16,7 +16,6 @@ export FP8GEMM_CACHE_DIR="${FP8GEMM_CACHE_DIR:-/tmp/fp8gemm-cache}"
 SHAPES="${SHAPES:-4096x4096x7168}"
 IMPLS="${IMPLS:-fp8gemm-cuda cublas-tensor}"
 METRICS="sm__cycles_elapsed.avg.per_second,gpu__time_duration.sum,\
-sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,\
 sm__inst_executed_pipe_tensor_op_gmma.sum,\
 lts__t_bytes.sum.per_second,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,\
 smsp__issue_active.avg.pct_of_peak_sustained_elapsed,\
@@ -44,7 +43,10 @@ torch.cuda.nvtx.range_pop()
 torch.cuda.synchronize()
 PY
         echo "== $tag (rc $?)"
-        grep -E "^  [a-zA-Z_]+ \(|Duration|SM Frequency|gmma|lts__t_bytes|hit_rate|dram__bytes|issue_active|inst_executed|Compute \(SM\) Throughput|Memory Throughput|Warp Cycles Per Issued|Stall|stall" \
+        pattern="^  [a-zA-Z_]+ \(|Duration|SM Frequency|gmma|lts__t_bytes|hit_rate|dram__bytes"
+        pattern+="|issue_active|inst_executed|Compute \(SM\) Throughput|Memory Throughput"
+        pattern+="|Warp Cycles Per Issued|Stall|stall"
+        grep -E "$pattern" \
             "$OUT/ncu_$tag.txt" | head -40
     done
 done
