@@ -46,8 +46,9 @@ BAND_SIZE = 16
 #   rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights compete).
 #   BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128 at equal wave
 #   counts on the six M = 4096 shapes (scripts/cuda_ab.py, H200): 1.06. Tiles wider than 128:
-#   0.96 at BLOCK_M <= 128 (128x160 ran 0.89x 128x128's per-FLOP rate with its two accumulators,
-#   0.96 / 1.07 = 0.90), 1.02 at 256 (256x136 ran 0.87x 256x128's, 136/160 alone says 0.85).
+#   0.96 at BLOCK_M <= 128 (128x160 ran 0.89x 128x128's per-FLOP rate with its two accumulators
+#   before the uniform descriptors, when the model priced that 0.96 / 1.07 = 0.90; not measured
+#   since), 1.02 at 256 (256x136 ran 0.87x 256x128's, 136/160 alone says 0.85).
 #   Two wgmma accumulators in flight on 128x128 (use_two_accum), the epilogue under the next
 #   tile's first wgmma: timed as the bench CLI times (cuda_ab.py --method bench), 0.97-1.09x
 #   256x128 at M = 1024-4096 from K = 1536 while the wgmma descriptors were built per thread.
