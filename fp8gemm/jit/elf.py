@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
 
-__all__ = ["is_elf", "Section", "sections", "section_names", "kernel_names"]
+__all__ = ["is_elf", "section_names", "kernel_names"]
 
 _MAGIC = b"\x7fELF"
 _SHT_NOBITS = 8
@@ -16,15 +15,8 @@ def is_elf(data: bytes) -> bool:
     return len(data) >= 64 and data[:4] == _MAGIC and data[4] == 2 and data[5] == 1
 
 
-class Section(NamedTuple):
-    name: str
-    sh_type: int
-    offset: int  # in the file
-    size: int
-
-
-def sections(data: bytes) -> list[Section]:
-    """Every section header; raises ValueError on a truncated or malformed file."""
+def section_names(data: bytes) -> list[str]:
+    """Names of all sections; raises ValueError on a truncated or malformed file."""
     if not is_elf(data):
         raise ValueError("not a 64-bit little-endian ELF file")
     try:
@@ -43,26 +35,20 @@ def sections(data: bytes) -> list[Section]:
         if str_off + str_size > len(data):
             raise ValueError("string table out of range")
         strtab = data[str_off:str_off + str_size]
-        out = []
+        names = []
         for i in range(e_shnum):
             name_off, sh_type, off, size = header(i)
             end = strtab.find(b"\x00", name_off)
             if end < 0:
                 raise ValueError("unterminated section name")
-            name = strtab[name_off:end].decode(errors="replace")
+            names.append(strtab[name_off:end].decode(errors="replace"))
             # NOTE: NOBITS sections (.bss, .nv.shared.*, .nv.local.*) have a size but no bytes
             # in the file.
             if sh_type != _SHT_NOBITS and off + size > len(data):
-                raise ValueError(f"section {name!r} out of range")
-            out.append(Section(name, sh_type, off, size))
-        return out
+                raise ValueError(f"section {names[-1]!r} out of range")
+        return names
     except struct.error as e:
         raise ValueError(f"truncated ELF: {e}") from e
-
-
-def section_names(data: bytes) -> list[str]:
-    """Names of all sections; raises ValueError on a truncated or malformed file."""
-    return [s.name for s in sections(data)]
 
 
 def kernel_names(data: bytes) -> list[str]:
