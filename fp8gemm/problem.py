@@ -11,10 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Recipe", "GemmKind", "GemmProblem", "FP8_DTYPES", "OUT_DTYPES", "ceil_div", "align"]
+__all__ = ["Recipe", "GemmKind", "GemmProblem", "FP8_DTYPES", "OUT_DTYPES", "SCALE_BLOCK", "ceil_div",
+           "align"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+# Elements of K (and, for 128x128 blocks, of N) one scale covers: every recipe but per-tensor and
+# per-row scales K in groups of this many, so kernels promote their partial sums at this step.
+SCALE_BLOCK = 128
 
 
 def ceil_div(x: int, y: int) -> int:
