@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["get_tma_aligned_size", "get_col_major_tma_aligned_tensor", "is_col_major_tma_aligned",
+__all__ = ["TMA_ALIGN_BYTES", "CONTIGUOUS_M_ALIGNMENT", "get_tma_aligned_size",
+           "get_col_major_tma_aligned_tensor", "is_col_major_tma_aligned",
            "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms"]
 
-# NOTE: TMA needs global strides that are multiples of 16 bytes.
-_TMA_ALIGN_BYTES = 16
+# NOTE: TMA needs global base addresses and strides that are multiples of 16 bytes.
+TMA_ALIGN_BYTES = 16
 # Rows per M tile of the grouped kernels: each group of the contiguous layout starts on one.
-_CONTIGUOUS_M_ALIGNMENT = 128
+CONTIGUOUS_M_ALIGNMENT = 128
 
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:
     """x rounded up so that x elements of `element_size` bytes span a multiple of 16 bytes."""
-    if element_size <= 0 or _TMA_ALIGN_BYTES % element_size:
+    if element_size <= 0 or TMA_ALIGN_BYTES % element_size:
         raise ValueError(f"element_size must divide 16, got {element_size}")
-    step = _TMA_ALIGN_BYTES // element_size
+    step = TMA_ALIGN_BYTES // element_size
     return (x + step - 1) // step * step
 
 
@@ -54,7 +55,7 @@ def get_col_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
 
 def get_m_alignment_for_contiguous_layout() -> int:
     """Rows each group is padded to in the contiguous grouped layout (one M tile)."""
-    return _CONTIGUOUS_M_ALIGNMENT
+    return CONTIGUOUS_M_ALIGNMENT
 
 
 class _SmCount:
