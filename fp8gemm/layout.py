@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["TMA_ALIGN_BYTES", "CONTIGUOUS_M_ALIGNMENT", "get_tma_aligned_size",
            "get_col_major_tma_aligned_tensor", "is_col_major_tma_aligned",
-           "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms"]
+           "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms", "num_sms_override"]
 
 # NOTE: TMA needs global base addresses and strides that are multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
@@ -85,4 +87,15 @@ def get_num_sms(device: torch.device | int | None = None) -> int:
         raise RuntimeError("get_num_sms: no CUDA device here; call set_num_sms(n) to set a count")
     if device is None:
         device = torch.cuda.current_device()
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _device_sms(torch.device("cuda", device).index if isinstance(device, int)
+                       else torch.device(device).index or 0)
+
+
+def num_sms_override() -> int | None:
+    """The `set_num_sms` value (None: every SM); cheap, for plans built under one to compare."""
+    return _SmCount.override
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,6 +1,6 @@
-"""CUDA backend without a GPU: the config heuristic's choices, and every kernel it picks for the
-DeepSeek-V3 dense suite compiled for sm_90a (NVRTC, else nvcc), with no spills, no local memory
-and QGMMA (FP8 wgmma) in the SASS."""
+"""CUDA backend without a GPU: the config heuristics' choices, and every kernel they pick for the
+DeepSeek-V3 dense and grouped suites compiled for sm_90a (NVRTC, else nvcc), with no spills, no
+local memory and QGMMA (FP8 wgmma) in the SASS."""
 
 from __future__ import annotations
 
@@ -12,13 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8gemm.backends.cuda import sm90_fp8_gemm as g
+from dataclasses import replace
+
+from fp8gemm.backends.cuda import launch as cuda_launch
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
+from fp8gemm.backends.cuda import supports as cuda_supports
+from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
 from helpers import FORCED_CONFIGS
 
 E4M3 = torch.float8_e4m3fn
-H200 = g.DeviceFacts(num_sms=132, smem_per_block=232448, l2_bytes=60 * 2 ** 20)
-H100_PCIE = g.DeviceFacts(num_sms=114, smem_per_block=232448, l2_bytes=50 * 2 ** 20)
+H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
+H100_PCIE = DeviceFacts("NVIDIA H100 PCIe", (9, 0), num_sms=114, smem_per_block=232448)
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 DSV3 = [(m, n, k) for m in (64, 128, 4096) for (n, k) in DSV3_NK]
 AWKWARD = [(1, 576, 320), (37, 576, 320), (130, 576, 320), (37, 200, 336), (257, 1000, 4096)]
@@ -34,11 +39,11 @@ def problem(m, n, k, **kw) -> GemmProblem:
 # --- supports ------------------------------------------------------------------------------------
 def test_supports_accepts_the_suite():
     for m, n, k in DSV3 + AWKWARD:
-        assert g.supports(problem(m, n, k)) is None
+        assert cuda_supports(problem(m, n, k)) is None
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(kind=GemmKind.MASKED, groups=2), "masked"),
+    (dict(kind=GemmKind.MASKED, groups=2, b_dtype=torch.float8_e5m2), "e4m3"),
     (dict(b_dtype=torch.float8_e5m2), "e4m3"),
     (dict(a_recipe=Recipe.ROW), "1x128"),
     (dict(b_recipe=Recipe.TENSOR), "128x128"),
@@ -50,7 +55,7 @@ def test_supports_accepts_the_suite():
 def test_supports_refuses_with_reason(kw, needle):
     shape = dict(m=64, n=576, k=512)
     shape.update({key: kw.pop(key) for key in ("n", "k") if key in kw})
-    why = g.supports(problem(**shape, **kw))
+    why = cuda_supports(problem(**shape, **kw))
     assert isinstance(why, str) and needle in why
 
 
@@ -58,10 +63,10 @@ def test_supports_refuses_with_reason(kw, needle):
 @pytest.mark.parametrize("facts", [H200, H100_PCIE], ids=["h200", "h100pcie"])
 @pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD)
 def test_config_properties(m, n, k, facts):
-    cfg = g.select_config(problem(m, n, k), facts)
+    cfg = g.DENSE.select_config(problem(m, n, k), facts)
     # Fits shared memory, with the stages the layout needs.
-    assert cfg.smem == g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k)
-    assert cfg.smem <= facts.smem_per_block and g.MIN_STAGES <= cfg.num_stages <= g.MAX_STAGES
+    assert cfg.smem(k) == g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k)
+    assert cfg.smem(k) <= facts.smem_per_block and g.MIN_STAGES <= cfg.num_stages <= g.MAX_STAGES
     # One more stage would not fit (stages are as deep as memory allows), unless at the cap.
     assert (cfg.num_stages == g.MAX_STAGES
             or g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages + 1, k) > facts.smem_per_block)
@@ -88,8 +93,8 @@ def test_config_properties(m, n, k, facts):
 def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
     """The documented objective: least modelled time (waves x per-tile cost); among equals fewer
     tiles, two math warpgroups, then the fullest last wave."""
-    cfg = g.select_config(problem(m, n, k), H200)
-    cands = g.candidate_configs(m, n, k, H200)
+    cfg = g.DENSE.select_config(problem(m, n, k), H200)
+    cands = g.candidate_tiles(m, n, k, H200)
     chosen = next(c for c in cands if (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n))
     assert chosen.waves == ceil_div(chosen.tiles, H200.num_sms)
     for c in cands:
@@ -102,9 +107,7 @@ def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
 
 
 def test_cost_model_matches_h200_measurements():
-    """Choices the H200 measured best or within 5 % (scripts/cuda_sweep.py and, for BLOCK_M 256
-    and two accumulators, scripts/cuda_ab.py --method bench, 2026-11-30; the M = 512-4096 ones
-    after the warp-uniform wgmma descriptors: benchmarks/experiments/2026-11-30-after-uniform-*)."""
+    """Choices the H200 measured best or within 5 % in tile sweeps timed as the bench times."""
     expect = {(4096, 7168, 16384): (256, 128), (4096, 4096, 7168): (256, 128),
               (4096, 7168, 2048): (256, 128), (4096, 2112, 7168): (256, 136),
               (4096, 32768, 512): (256, 128), (4096, 24576, 1536): (256, 128),
@@ -114,7 +117,7 @@ def test_cost_model_matches_h200_measurements():
               (64, 7168, 16384): (64, 64), (64, 7168, 2048): (64, 64),
               (128, 4096, 7168): (128, 32), (128, 24576, 1536): (128, 96)}
     for (m, n, k), tile in expect.items():
-        cfg = g.select_config(problem(m, n, k), H200)
+        cfg = g.DENSE.select_config(problem(m, n, k), H200)
         assert (cfg.block_m, cfg.block_n) == tile, ((m, n, k), cfg)
     # One math warpgroup is the slower tile at equal loads; two waves the fastest per FLOP, then
     # two accumulators (from K = TWO_ACCUM_MIN_K).
@@ -129,7 +132,7 @@ def test_cost_model_matches_h200_measurements():
 def test_small_m_uses_every_sm():
     """M <= 128 leaves few tiles: the choice spreads them over (nearly) all SMs."""
     for m, n, k in [(64, 2112, 7168), (128, 2112, 7168), (64, 7168, 16384)]:
-        cfg = g.select_config(problem(m, n, k), H200)
+        cfg = g.DENSE.select_config(problem(m, n, k), H200)
         tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
         # (64x7168x16384: 112 tiles of 64x64 ran 1.6 % faster than 128 of 64x56, H200.)
         assert tiles >= 0.8 * H200.num_sms, (m, n, k, cfg)
@@ -137,14 +140,14 @@ def test_small_m_uses_every_sm():
 
 def test_config_is_pure_and_cached():
     p = problem(4096, 7168, 2048)
-    assert g.select_config(p, H200) is g.select_config(p, H200)
-    assert g.select_config(p, H200) == g._select.__wrapped__(4096, 7168, 2048, H200)
-    hash(g.select_config(p, H200)) and str(g.select_config(p, H200))
+    assert g.DENSE.select_config(p, H200) is g.DENSE.select_config(p, H200)
+    assert g.DENSE.select_config(p, H200) == g.DENSE.select_config(p, replace(H200))
+    hash(g.DENSE.select_config(p, H200)) and str(g.DENSE.select_config(p, H200))
 
 
 def test_fewer_sms_changes_the_grid():
-    few = g.DeviceFacts(num_sms=100, smem_per_block=232448, l2_bytes=H200.l2_bytes)
-    cfg = g.select_config(problem(4096, 7168, 2048), few)
+    few = replace(H200, num_sms=100)
+    cfg = g.DENSE.select_config(problem(4096, 7168, 2048), few)
     assert cfg.grid <= 100
 
 
@@ -161,7 +164,7 @@ def _compiler_or_skip():
 def _suite_configs():
     seen = {}
     for m, n, k in DSV3 + AWKWARD:
-        cfg = g.select_config(problem(m, n, k), H200)
+        cfg = g.DENSE.select_config(problem(m, n, k), H200)
         seen.setdefault((n, k, cfg), (m, n, k))
     return seen
 
@@ -176,7 +179,7 @@ def compiled_suite(tmp_path_factory):
     try:
         out = {}
         for (n, k, cfg), shape in _suite_configs().items():
-            _, compiled, path, _ = g.compile_kernel(n, k, cfg)
+            _, compiled, path, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg)
             out[shape] = (cfg, compiled)
         yield out
     finally:
@@ -235,10 +238,9 @@ def test_two_accum_compiles_clean_over_its_k_range(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
     for k in (512, 7168, 16384, 32768, g.TWO_ACCUM_MAX_K):
         assert g.use_two_accum(128, 128, k)
-        stages = g._stages(128, 128, k, H200.smem_per_block)
-        cfg = g.Sm90GemmConfig(128, 128, stages, 1, True, g.BAND_SIZE, 132,
-                               g.smem_bytes(128, 128, stages, k), g.num_threads(128), True)
-        log = g.compile_kernel(7168, k, cfg)[1].log
+        stages = g.max_stages(128, 128, k, H200.smem_per_block)
+        cfg = g.Sm90Config(128, 128, stages, 1, True, g.BAND_SIZE, 132, True)
+        log = g.compile_kernel(GemmKind.DENSE, 7168, k, cfg)[1].log
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
         if not spills:
             pytest.skip("this compiler's log has no ptxas report")
@@ -251,13 +253,11 @@ def test_generated_wgmma_header_is_current():
     assert rc.returncode == 0, rc.stderr
 
 
-# --- review 2026-11-30: limits, odd pointers and strides, plans, launch context ----------------------
-def test_supports_refuses_zero_dims_and_k_past_the_checked_limit():
-    assert g.supports(problem(64, 576, g.MAX_K)) is None
-    why = g.supports(problem(64, 576, g.MAX_K + 16))
+# --- limits, odd pointers and strides, plans, launch context -------------------------------------
+def test_supports_refuses_k_past_the_checked_limit():
+    assert cuda_supports(problem(64, 576, g.MAX_K)) is None
+    why = cuda_supports(problem(64, 576, g.MAX_K + 16))
     assert isinstance(why, str) and str(g.MAX_K) in why
-    for m, n, k in [(0, 576, 512), (64, 0, 512), (64, 576, 0)]:
-        assert isinstance(g.supports(problem(m, n, k)), str)
 
 
 @pytest.mark.parametrize("bm", [64, 128, 256])
@@ -269,12 +269,11 @@ def test_widest_tiles_at_max_k_do_not_spill(bm, tmp_path, monkeypatch):
     k = g.MAX_K
     # The widest tile of this height that fits shared memory at K = MAX_K.
     bn = max(n for n in (g.BLOCK_N_CHOICES_256 if bm == 256 else g.BLOCK_N_CHOICES)
-             if g._stages(bm, n, k, H200.smem_per_block))
-    stages = g._stages(bm, bn, k, H200.smem_per_block)
+             if g.max_stages(bm, n, k, H200.smem_per_block))
+    stages = g.max_stages(bm, bn, k, H200.smem_per_block)
     assert stages >= g.MIN_STAGES
-    cfg = g.Sm90GemmConfig(bm, bn, stages, 1, True, g.BAND_SIZE, 132,
-                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm))
-    _, compiled, _, _ = g.compile_kernel(4096, k, cfg)
+    cfg = g.Sm90Config(bm, bn, stages, 1, True, g.BAND_SIZE, 132)
+    _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, 4096, k, cfg)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", compiled.log)]
     stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", compiled.log)]
     if not spills:
@@ -288,9 +287,9 @@ def test_one_row_tensors_get_the_packed_row_stride():
     wide = torch.zeros(4, 1000, dtype=torch.uint8)
     one = wide[:1, :320]
     assert one.is_contiguous() and one.stride(0) == 1000
-    assert g._row_stride(one) == 320
-    assert g._row_stride(torch.zeros(320, dtype=torch.uint8).expand(1, 320)) == 320
-    assert g._row_stride(torch.zeros(3, 320, dtype=torch.uint8)) == 320
+    assert cuda_launch.row_stride(one) == 320
+    assert cuda_launch.row_stride(torch.zeros(320, dtype=torch.uint8).expand(1, 320)) == 320
+    assert cuda_launch.row_stride(torch.zeros(3, 320, dtype=torch.uint8)) == 320
 
 
 def test_misaligned_base_is_copied_to_an_aligned_tensor():
@@ -298,33 +297,30 @@ def test_misaligned_base_is_copied_to_an_aligned_tensor():
     start = (-base.data_ptr()) % 16 + 1  # one byte past a 16-byte boundary
     view = base[start:start + 64 * 32].view(64, 32)
     assert view.is_contiguous() and view.data_ptr() % 16
-    fixed = g._tma_aligned(view)
+    fixed = cuda_launch.tma_aligned(view)
     assert fixed.data_ptr() % 16 == 0 and fixed.is_contiguous() and torch.equal(fixed, view)
     aligned = torch.zeros(64, 32, dtype=torch.uint8)
-    assert g._tma_aligned(aligned) is aligned
+    assert cuda_launch.tma_aligned(aligned) is aligned
 
 
-def test_plan_is_rebuilt_after_set_num_sms(monkeypatch):
-    """A plan's grid comes from the SM count: set_num_sms after the first call must apply."""
-    from fp8gemm import layout
-
+def test_plans_are_per_config(monkeypatch):
+    """A plan belongs to (problem, device, config): a config chosen under another SM count
+    (set_num_sms) gets a plan of its own, the same config the same plan."""
     built = []
 
     class FakePlan:
-        def __init__(self, prob, device_index):
-            self.sm_override = layout._SmCount.override
-            built.append(self.sm_override)
+        def __init__(self, prob, device_index, cfg):
+            built.append(cfg)
 
-    monkeypatch.setattr(g, "_Plan", FakePlan)
+    monkeypatch.setattr(g, "Sm90Plan", FakePlan)
     monkeypatch.setattr(g, "_plans", {})
-    monkeypatch.setattr(layout._SmCount, "override", None)
-    p = problem(64, 576, 512)
-    first = g._get_plan(p, 0)
-    assert g._get_plan(p, 0) is first and built == [None]
-    monkeypatch.setattr(layout._SmCount, "override", 66)
-    second = g._get_plan(p, 0)
-    assert second is not first and built == [None, 66] and g._plans[(64, 576, 512, 0)] is second
-    assert g._get_plan(p, 0) is second
+    p = problem(4096, 7168, 2048)
+    cfg, few = g.DENSE.select_config(p, H200), g.DENSE.select_config(p, replace(H200, num_sms=66))
+    assert cfg != few and few.grid <= 66
+    first = g.get_plan(p, 0, cfg)
+    assert g.get_plan(p, 0, cfg) is first and built == [cfg]
+    second = g.get_plan(p, 0, few)
+    assert second is not first and built == [cfg, few]
 
 
 @pytest.mark.parametrize("stream,current,guarded", [
@@ -348,13 +344,10 @@ def test_launch_makes_the_tensor_device_current_for_the_null_stream(stream, curr
         def launch(self, config, s, pack):
             events.append(("launch", s))
 
-    class FakePlan:
-        kernel, launch = FakeKernel(), "cfg"
-
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: stream, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current, raising=False)
     monkeypatch.setattr(torch.cuda, "device", fake_device)
-    g._launch(FakePlan(), 0, "pack")
+    cuda_launch.launch(FakeKernel(), "cfg", 0, "pack")
     if guarded:
         assert events == [("enter", 0), ("launch", stream), ("exit", 0)]
     else:
@@ -369,10 +362,9 @@ def test_forced_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, two_accu
     _compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    stages = g._stages(bm, bn, k, H200.smem_per_block)
-    cfg = g.Sm90GemmConfig(bm, bn, stages, multicast, on_a, g.BAND_SIZE, 132,
-                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm), two_accum)
-    _, compiled, _, _ = g.compile_kernel(n, k, cfg)
+    stages = g.max_stages(bm, bn, k, H200.smem_per_block)
+    cfg = g.Sm90Config(bm, bn, stages, multicast, on_a, g.BAND_SIZE, 132, two_accum)
+    _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg)
     path = tmp_path / "k.cubin"
     path.write_bytes(compiled.cubin)
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
@@ -383,3 +375,73 @@ def test_forced_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, two_accu
     res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
     found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
     assert len(found) >= 2 and max(map(int, found)) == 0, res
+
+
+# --- the grouped family ----------------------------------------------------------------------------
+GROUPED_SUITE = [  # (kind, rows as stored, groups, expected_m, N, K)
+    (GemmKind.CONTIGUOUS, 4 * 8192, 4, 0, 4096, 7168), (GemmKind.CONTIGUOUS, 4 * 8192, 4, 0, 7168, 2048),
+    (GemmKind.CONTIGUOUS, 8 * 4096, 8, 0, 4096, 7168), (GemmKind.CONTIGUOUS, 8 * 4096, 8, 0, 7168, 2048),
+    (GemmKind.OFFSETS, 8 * 4096, 8, 0, 4096, 7168), (GemmKind.OFFSETS, 8 * 4096, 8, 0, 7168, 2048),
+    (GemmKind.MASKED, 1024, 1, 1024, 4096, 7168), (GemmKind.MASKED, 512, 2, 512, 7168, 2048),
+    (GemmKind.MASKED, 256, 4, 256, 4096, 7168), (GemmKind.MASKED, 256, 32, 8, 7168, 2048),
+    (GemmKind.MASKED, 128, 8, 3, 4096, 7168), (GemmKind.CONTIGUOUS, 384, 3, 0, 200, 336),
+    (GemmKind.OFFSETS, 300, 5, 0, 576, 320),
+]
+
+
+def grouped_problem(kind, rows, groups, expected_m, n, k) -> GemmProblem:
+    return problem(rows, n, k, kind=kind, groups=groups, expected_m=expected_m)
+
+
+@pytest.mark.parametrize("case", GROUPED_SUITE, ids=lambda c: f"{c[0].value}-{c[1:]}")
+def test_grouped_configs(case):
+    """The grouped family takes every grouped kind; tiles at most 128 rows (a contiguous block is
+    one group), no clusters, shared memory fits."""
+    from fp8gemm.backends.cuda import family_for
+
+    p = grouped_problem(*case)
+    fam = family_for(p)
+    assert fam is g.GROUPED and cuda_supports(p) is None
+    cfg = fam.select_config(p, H200)
+    assert cfg.block_m in g.GROUPED_BLOCK_M_CHOICES and cfg.num_multicast == 1
+    assert cfg.smem(p.k) <= H200.smem_per_block and 1 <= cfg.grid <= H200.num_sms
+    assert cfg == fam.candidate_configs(p, H200)[0]
+
+
+def test_dense_family_refuses_grouped_and_back():
+    p = grouped_problem(*GROUPED_SUITE[0])
+    assert "grouped" not in (g.GROUPED.supports(p) or "")
+    assert "dense" in g.DENSE.supports(p)
+    assert "grouped" in g.GROUPED.supports(problem(64, 576, 512))
+
+
+def test_masked_config_follows_expected_m():
+    """expected_m, not Mmax, sizes the masked tiles: a decode batch of 8 rows per expert gets
+    64-row tiles whatever Mmax is."""
+    small = g.GROUPED.select_config(grouped_problem(GemmKind.MASKED, 1024, 32, 8, 7168, 2048), H200)
+    large = g.GROUPED.select_config(grouped_problem(GemmKind.MASKED, 1024, 32, 1024, 7168, 2048),
+                                    H200)
+    assert small.block_m == 64 and large.block_m == 128
+
+
+def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
+    _compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    seen = set()
+    for case in GROUPED_SUITE:
+        p = grouped_problem(*case)
+        cfg = g.GROUPED.select_config(p, H200)
+        if (p.kind, p.n, p.k, cfg) in seen:
+            continue
+        seen.add((p.kind, p.n, p.k, cfg))
+        _, compiled, _, _ = g.compile_kernel(p.kind, p.n, p.k, cfg)
+        path = tmp_path / "k.cubin"
+        path.write_bytes(compiled.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), f"{case} {cfg}: no QGMMA"
+        assert not re.search(r"\b(LDL|STL)\b", sass), f"{case} {cfg}: local memory in SASS"
+        assert not re.search(r"C751[45]", compiled.log), compiled.log
+        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
+        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
+        assert len(found) >= 2 and max(map(int, found)) == 0, res

@@ -3,7 +3,7 @@
 Operands are random fp8 values with independent random scales (log-uniform in [1/4, 4]), so a
 kernel that read a wrong scale (transposed blocks, the wrong 128-column block of a tile that
 straddles two) shows a large error. The reference is float64 on the dequantised inputs, written
-here by index arithmetic. Tolerance: calc_diff < 1e-5 for bf16 out (DESIGN.md section 2); rounding
+here by index arithmetic. Tolerance: calc_diff < 1e-5 for bf16 out (the contract's bound); rounding
 to bf16 alone costs ~5e-7, a kernel without FP32 promotion every 128 of K ~6e-5 at K = 16384.
 """
 
@@ -13,21 +13,21 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS, calc_diff  # noqa: F401  (calc_diff: also imported by scripts/cuda_*.py)
+from helpers import FORCED_CONFIGS, calc_diff
 
 pytestmark = pytest.mark.gpu
 
 E4M3 = torch.float8_e4m3fn
 TOL_BF16 = 1e-5
 
-# DeepSeek-V3 dense shapes (DESIGN.md section 6), then awkward ones.
+# DeepSeek-V3 dense shapes (the bench suite's), then awkward ones.
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 DSV3_SHAPES = [(m, n, k) for m in (64, 128, 4096) for (n, k) in DSV3_NK]
 AWKWARD_SHAPES = [(1, 576, 320), (37, 576, 320), (130, 576, 320), (37, 200, 336), (1, 2112, 7168),
                   (257, 1000, 4096), (4000, 7168, 2048), (600, 576, 16384)]
 
 
-# --- helpers (shared with scripts/cuda_bench.py) --------------------------------------------------
+# --- helpers --------------------------------------------------------------------------------------
 def random_scales(shape, device) -> torch.Tensor:
     return torch.exp2(torch.empty(shape, device=device).uniform_(-2.0, 2.0))
 
@@ -159,9 +159,8 @@ def test_cuda_graph_capture(gpu_device):
 
 def test_through_ops_layer(gpu_device):
     """fp8_gemm_nt(..., backend="cuda") reaches this kernel with the public calling convention."""
-    fp8gemm = pytest.importorskip("fp8gemm")
-    if not hasattr(fp8gemm, "fp8_gemm_nt"):
-        pytest.skip("ops layer not there yet")
+    import fp8gemm
+
     m, n, k = 37, 576, 320
     a, sa, b, sb = make_operands(m, n, k, gpu_device)
     out = fp8gemm.fp8_gemm_nt((a, sa), (b, sb), backend="cuda")
@@ -184,25 +183,28 @@ def test_forced_configs(m, n, k, bm, bn, multicast, on_a, two_accum, gpu_device)
     """Configs the heuristic may not pick today (2-CTA multicast of A or B, wide odd tiles,
     BLOCK_M 256, two accumulators on any width) stay correct: built directly, bypassing the
     heuristic."""
-    from fp8gemm.backends.cuda import sm90_fp8_gemm as g
+    from dataclasses import replace
 
-    facts = g.DeviceFacts.of(gpu_device)
-    stages = g._stages(bm, bn, k, facts.smem_per_block)
+    from fp8gemm.backends.cuda import FAMILIES, sm90_fp8_gemm_1d2d
+    from fp8gemm.backends.family import DeviceFacts
+
+    fam = {f.name: f for f in FAMILIES}["sm90_fp8_gemm_1d2d"]
+    problem = dense_problem(m, n, k)
+    facts = DeviceFacts.of(gpu_device)
+    stages = sm90_fp8_gemm_1d2d.max_stages(bm, bn, k, facts.smem_per_block)
     tiles = ceil_div(m, bm) * ceil_div(n, bn)
     grid = min(facts.num_sms, tiles) // multicast * multicast
-    cfg = g.Sm90GemmConfig(bm, bn, stages, multicast, on_a, g.BAND_SIZE, grid,
-                           g.smem_bytes(bm, bn, stages, k), g.num_threads(bm), two_accum)
+    cfg = replace(fam.select_config(problem, facts), block_m=bm, block_n=bn, num_stages=stages,
+                  num_multicast=multicast, multicast_on_a=on_a, grid=grid, two_accum=two_accum)
     a, sa, b, sb = make_operands(m, n, k, gpu_device)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
-    plan = g._Plan(dense_problem(m, n, k), gpu_device.index or 0, cfg)
-    pack = plan.params(a, g._kernel_a_scales(sa, m), b, sb, out, ("forced",))
-    plan.kernel.launch(plan.launch, torch.cuda.current_stream().cuda_stream, pack)
+    fam.run(cfg, problem, a, sa, b, sb, out)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
     assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
 
 
-# --- review 2026-11-30: written without a GPU run; each is a plain call plus the usual checks --------
+# --- addressing corner cases ---------------------------------------------------------------------
 def test_misaligned_base_pointers(gpu_device):
     """Contiguous views at odd storage offsets (A one byte, out two bytes past a 16-byte
     boundary): TMA cannot address them; the backend copies and writes only the view."""
@@ -237,18 +239,22 @@ def test_one_row_views_with_odd_row_strides(gpu_device):
 
 def test_set_num_sms_applies_to_a_shape_already_run(gpu_device):
     import fp8gemm
-    from fp8gemm.backends.cuda import sm90_fp8_gemm as g
+    from fp8gemm.backends.cuda import family_for
 
     m, n, k = 4096, 4096, 7168  # more tiles than SMs: the grid is the SM count
     a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    problem = dense_problem(m, n, k)
     run_cuda(a, sa, b, sb)
-    key = (m, n, k, a.device.index)
-    assert g._plans[key].cfg.grid > 66
+    assert family_for(problem).config_for(problem, gpu_device).grid > 66
+    # The warm path (the ops layer's per-metadata launcher) must see the change too.
+    fp8gemm.fp8_gemm_nt((a, sa), (b, sb), backend="cuda")
     try:
         fp8gemm.set_num_sms(66)
+        assert family_for(problem).config_for(problem, gpu_device).grid <= 66
         out = run_cuda(a, sa, b, sb)
+        out2 = fp8gemm.fp8_gemm_nt((a, sa), (b, sb), backend="cuda")
         torch.cuda.synchronize()
-        assert g._plans[key].cfg.grid <= 66
+        assert torch.equal(out, out2)
     finally:
         fp8gemm.set_num_sms(None)
     assert not torch.isnan(out).any()

@@ -1,7 +1,8 @@
 """CUDA backend: run-time compiled sm_90a kernels (see fp8gemm/backends/__init__.py for the contract).
 
-Part 1 covers the dense GEMM with A in 1x128 groups and B in 128x128 blocks (e4m3, bf16 out);
-`supports` turns everything else away with a reason, so the dispatcher falls back visibly.
+A table of kernel families (fp8gemm/backends/family.py), in order of preference; `supports` is
+the first that takes a problem, and the op functions run the chosen family with its heuristic's
+config. Everything the families refuse goes to another backend, visibly (FP8GEMM_PRINT_CONFIGS).
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import functools
 import torch
 
 from ...problem import GemmProblem
-from . import sm90_fp8_gemm
+from ..family import choose_family
+from . import sm90_fp8_gemm_1d2d
 
-__all__ = ["NAME", "is_available", "supports", "fp8_gemm_nt", "fp8_gemm_nt_launcher"]
+__all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
+           "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
+           "m_grouped_fp8_gemm_nt_masked", "fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
+FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,14 +51,42 @@ def is_available(device: torch.device) -> bool:
     return _is_sm90(index) and _toolchain_ok()
 
 
+@functools.lru_cache(maxsize=4096)
+def _choice(problem: GemmProblem):
+    return choose_family(FAMILIES, problem)
+
+
 def supports(problem: GemmProblem) -> str | None:
-    return sm90_fp8_gemm.supports(problem)
+    return _choice(problem)[1]
+
+
+def family_for(problem: GemmProblem):
+    """The family that runs `problem` (supports() has accepted it)."""
+    fam, why = _choice(problem)
+    if fam is None:
+        raise ValueError(f"the CUDA backend cannot run {problem}: {why}")
+    return fam
+
+
+def _run(problem: GemmProblem, a, sa, b, sb, out, c, index) -> None:
+    fam = family_for(problem)
+    fam.run(fam.config_for(problem, a.device), problem, a, sa, b, sb, out, c, index)
 
 
 def fp8_gemm_nt(a, sa, b, sb, out, c, problem: GemmProblem) -> None:
-    if c is not None:
-        raise ValueError("the CUDA backend has no C input yet (supports() refuses has_c)")
-    sm90_fp8_gemm.fp8_gemm_nt(a, sa, b, sb, out, problem)
+    _run(problem, a, sa, b, sb, out, c, None)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, m_indices, problem: GemmProblem) -> None:
+    _run(problem, a, sa, b, sb, out, None, m_indices)
+
+
+def m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem: GemmProblem) -> None:
+    _run(problem, a, sa, b, sb, out, None, offsets)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProblem) -> None:
+    _run(problem, a, sa, b, sb, out, None, masked_m)
 
 
 def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
@@ -61,4 +94,4 @@ def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
     (a, sa, b, sb, out, c) that runs `problem` for later calls whose tensors have the metadata of
     this call's (a, b, out contiguous; scales as sa and sb, unreshaped; one device), skipping this
     module's checks and the plan lookups; or None."""
-    return sm90_fp8_gemm.launcher(problem, sa, sb)
+    return sm90_fp8_gemm_1d2d.launcher(problem, sa, sb)

@@ -1,6 +1,10 @@
-// Dense FP8 GEMM for sm_90a: D[M, N] (bf16) = (A * sa) . (B * sb)^T
+// FP8 GEMM for sm_90a, dense and MoE-grouped: D[M, N] (bf16) = (A * sa) . (B[g] * sb[g])^T
 //   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
-//   B [N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [ceil(N/128), ceil(K/128)]
+//     (masked: [G][ceil(K/128), Mmax padded to 4])
+//   B [G, N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [G, ceil(N/128), ceil(K/128)]
+//   kKind (sm90_scheduler.cuh): dense (G = 1); contiguous (group of each row in m_indices);
+//     offsets (group g owns rows offsets[g] .. offsets[g+1]); masked (A [G, Mmax, K], group g's
+//     first masked_m[g] rows). Rows that belong to no group are neither computed nor written.
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
 // (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages.
 #pragma once
@@ -36,10 +40,13 @@ struct Sm90Fp8Gemm1d2dLayout {
       1024 + SMEM_D + kNumStages * (SMEM_A + SMEM_B + SMEM_SA) + SMEM_SB + SMEM_BARRIERS;
 };
 
-template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize, bool kTwoAccum>
+template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
+          uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
+          bool kTwoAccum>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
+                          const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
+                          uint8_t* __restrict__ out,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
@@ -92,6 +99,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(SHAPE_K % 16 == 0, "TMA needs K-major rows of a multiple of 16 bytes");
   static_assert(SHAPE_N % 8 == 0, "TMA store needs bf16 output rows of a multiple of 16 bytes");
   static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
+  static_assert(kKind == kKindDense || kNumTMAMulticast == 1, "grouped kernels run without clusters");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
   static_assert(!kTwoAccum || (BLOCK_M == 128 && BLOCK_N <= 128),
@@ -143,13 +151,17 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     __syncthreads();
   }
 
-  TileScheduler<kNumNBlocks, kBandSize, kBandAlongM> scheduler(ceil_div(shape_m, BLOCK_M));
-  uint32_t m_block, n_block;
+  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM> scheduler(shape_m, grouped_layout,
+                                                                              num_groups);
+  Tile tile;
 
   if (warpgroup == kNumMathThreads / 128) {
     // --- producer: one thread issues every TMA load ---------------------------------------------
     warpgroup_reg_dealloc<kProducerRegs>();
-    if (threadIdx.x == kNumMathThreads) {
+    // NOTE: the first producer warp walks the scheduler (grouped layouts are read warp-wide);
+    // lane 0 issues every barrier operation and TMA load.
+    if (threadIdx.x / 32 == kNumMathThreads / 32) {
+      const bool issuer = lane == 0;
       const bool is_leader = kNumTMAMulticast == 1 || cluster_cta_rank() == 0;
       // NOTE: below BLOCK_M rows the host's A map has a box of M rows: TMA's zero fill of rows
       // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
@@ -157,11 +169,16 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
       const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::SMEM_SA;
       uint32_t stage = 0, phase = 0;
-      while (scheduler.next(m_block, n_block)) {
-        const int32_t m0 = static_cast<int32_t>(m_block * BLOCK_M);
-        const int32_t n0 = static_cast<int32_t>(n_block * BLOCK_N);
+      while (scheduler.next(tile)) {
+        const int32_t m0 = tile.m0;
+        // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
+        const int32_t n0 = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
         for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
           mbar_wait(&empty_bar[stage], phase ^ 1);
+          if (!issuer) {
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+            continue;
+          }
           uint64_t* bar = &full_bar[stage];
           mbar_arrive_expect_tx(bar, stage_tx_bytes);
           const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
@@ -179,7 +196,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           } else {
             tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
           }
-          tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, m0, static_cast<int32_t>(kb));
+          if constexpr (kKind == kKindMasked) {
+            tma_load_3d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb),
+                        static_cast<int32_t>(tile.group));
+          } else {
+            tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb));
+          }
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
@@ -207,14 +229,15 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // from a cold L2) between every two tiles; prefetched, the latency hides under a mainloop.
     constexpr uint32_t kSbPerThread = ceil_div(2 * kNumKBlocks, kNumMathThreads);
     float sb_prefetch[kSbPerThread];
-    auto prefetch_sb = [&](uint32_t n_block_) {
-      const uint32_t row0 = n_block_ * BLOCK_N / 128;
+    auto prefetch_sb = [&](const Tile& t) {
+      const float* sb_g = sb + t.group * (kNumSbRows * kNumKBlocks);
+      const uint32_t row0 = t.n_block * BLOCK_N / 128;
 #pragma unroll
       for (uint32_t j = 0; j < kSbPerThread; ++j) {
         const uint32_t i = threadIdx.x + j * kNumMathThreads;
         const uint32_t row = row0 + (i >= kNumKBlocks ? 1 : 0);
         const uint32_t kb = i >= kNumKBlocks ? i - kNumKBlocks : i;
-        sb_prefetch[j] = (i < 2 * kNumKBlocks && row < kNumSbRows) ? __ldg(sb + row * kNumKBlocks + kb) : 0.0f;
+        sb_prefetch[j] = (i < 2 * kNumKBlocks && row < kNumSbRows) ? __ldg(sb_g + row * kNumKBlocks + kb) : 0.0f;
       }
     };
 
@@ -229,7 +252,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     };
 
     // --- epilogue: final_acc -> bf16 tile in shared memory -> TMA stores ------------------------
-    auto epilogue = [&](uint32_t m_block_, uint32_t n_block_) {
+    auto epilogue = [&](const Tile& t) {
       // The previous tile's store must have finished reading smem_d before it is overwritten.
       if (threadIdx.x == 0) tma_store_wait_read();
       named_barrier_sync(1, kNumMathThreads);
@@ -256,10 +279,30 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
       fence_proxy_async_smem();
       named_barrier_sync(1, kNumMathThreads);
-      // NOTE: TMA clips the store at M and N, so partial tiles need no masking.
+      const uint32_t n0 = t.n_block * BLOCK_N;
+      if (kKind != kKindDense && !t.full) {
+        // Rows of other groups (or none) in the tile: stored row by row, 16 bytes a thread, so
+        // that only the group's own rows are written. TMA cannot mask rows.
+        constexpr uint32_t kUnitsPerRow = BLOCK_N / 8;
+        for (uint32_t i = threadIdx.x; i < BLOCK_M * kUnitsPerRow; i += kNumMathThreads) {
+          const uint32_t row = i / kUnitsPerRow, u = i % kUnitsPerRow;
+          const uint32_t col = n0 + u * 8;
+          bool ok = col < SHAPE_N;
+          if constexpr (kKind == kKindContiguous)
+            ok &= row_group(grouped_layout, t.m0 + row, shape_m, num_groups) == static_cast<int32_t>(t.group);
+          else
+            ok &= row < t.rows;
+          if (!ok) continue;
+          const uint8_t* src = u < kNumDChunks * 8
+              ? smem_d + (u / 8) * BLOCK_M * 128 + row * 128 + ((u % 8) ^ (row % 8)) * 16
+              : smem_d + kNumDChunks * BLOCK_M * 128 + (row * kTailCols + (u - kNumDChunks * 8) * 8) * 2;
+          st_global_v4(out + (static_cast<uint64_t>(t.m0 + row) * SHAPE_N + col) * 2, ld_shared_v4(src));
+        }
+        return;
+      }
+      // NOTE: TMA clips the store at M and N, so partial dense tiles need no masking.
       if (threadIdx.x == 0) {
-        const int32_t m0 = static_cast<int32_t>(m_block_ * BLOCK_M);
-        const uint32_t n0 = n_block_ * BLOCK_N;
+        const int32_t m0 = t.m0;
 #pragma unroll
         for (uint32_t c = 0; c + 1 <= kNumDChunks; ++c)
           tma_store_2d(&tmap_d, smem_d + c * BLOCK_M * 128, static_cast<int32_t>(n0 + c * 64), m0);
@@ -270,12 +313,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
     };
 
-    bool has_tile = scheduler.next(m_block, n_block);
+    bool has_tile = scheduler.next(tile);
     bool has_prev = false;  // kTwoAccum: a computed tile whose epilogue has not run yet
-    uint32_t prev_m_block = 0, prev_n_block = 0;
-    if (has_tile) prefetch_sb(n_block);
+    Tile prev_tile = tile, next_tile = tile;
+    if (has_tile) prefetch_sb(tile);
     while (has_tile) {
-      const uint32_t n0 = n_block * BLOCK_N;
+      const uint32_t n0 = tile.n_block * BLOCK_N;
       // Every math thread must be done reading smem_sb: without kTwoAccum the previous tile's
       // epilogue barriers see to that; with it, that epilogue comes later.
       if (kTwoAccum && has_prev) named_barrier_sync(1, kNumMathThreads);
@@ -285,9 +328,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         if (i < 2 * kNumKBlocks) smem_sb[i] = sb_prefetch[j];
       }
       named_barrier_sync(1, kNumMathThreads);
-      uint32_t next_m_block = 0, next_n_block = 0;
-      const bool has_next = scheduler.next(next_m_block, next_n_block);
-      if (has_next) prefetch_sb(next_n_block);
+      const bool has_next = scheduler.next(next_tile);
+      if (has_next) prefetch_sb(next_tile);
       // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
       const uint32_t num_first = (128 - n0 % 128) / 8;
 
@@ -384,7 +426,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // NOTE: the tile's first wgmma goes to the tensor cores before the previous tile's
         // epilogue, which then runs under it (the sums are free once the epilogue has read them).
         start(acc, 0, 0);
-        if (has_prev) epilogue(prev_m_block, prev_n_block);
+        if (has_prev) epilogue(prev_tile);
         zero_sums();
         constexpr uint32_t kFirst = kNumKBlocks < kKChunk ? kNumKBlocks : kKChunk;
         chunk(kFirst, 0, true);
@@ -392,7 +434,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         for (; kb + kKChunk <= kNumKBlocks; kb += kKChunk) chunk(kKChunk, kb, false);
         if constexpr ((kNumKBlocks - kFirst) % kKChunk != 0)
           chunk((kNumKBlocks - kFirst) % kKChunk, kb, false);
-        prev_m_block = m_block, prev_n_block = n_block, has_prev = true;
+        prev_tile = tile, has_prev = true;
       } else {
         zero_sums();
         for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
@@ -411,10 +453,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         }
       }
 
-      if constexpr (!kTwoAccum) epilogue(m_block, n_block);
-      m_block = next_m_block, n_block = next_n_block, has_tile = has_next;
+      if constexpr (!kTwoAccum) epilogue(tile);
+      tile = next_tile, has_tile = has_next;
     }
-    if (has_prev) epilogue(prev_m_block, prev_n_block);
+    if (has_prev) epilogue(prev_tile);
     if (threadIdx.x == 0) tma_store_wait_all();
   }
 

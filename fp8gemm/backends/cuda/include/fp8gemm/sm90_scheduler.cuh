@@ -1,28 +1,95 @@
-// Persistent tile scheduler: CTA b takes tiles b, b + gridDim.x, b + 2 * gridDim.x, ...
+// Persistent tile scheduler for dense and grouped GEMMs: CTA b takes the work items b,
+// b + gridDim.x, b + 2 * gridDim.x, ... of one fixed sequence, which the producer and the math
+// warps walk independently (it depends only on kernel arguments and the grouped layout in global
+// memory, which nothing writes while the kernel runs).
+//
 // Tiles are rasterised in bands so that the tiles running at one time share A rows and B columns
-// in L2. Written over (m_block, n_block) of one GEMM; grouped variants map their groups onto the
-// same bands later.
+// in L2. Grouped kinds walk their groups in order, each group's tiles banded the same way, so one
+// expert's B stays in L2 while its M blocks run.
 #pragma once
 
 #include "sm90_utils.cuh"
 
 namespace fp8gemm {
 
+// The GEMM kinds (GemmKind on the host).
+constexpr uint32_t kKindDense = 0;       // A [M, K], one B
+constexpr uint32_t kKindContiguous = 1;  // A [sum M, K], layout = m_indices [sum M] (-1: padding)
+constexpr uint32_t kKindOffsets = 2;     // A [sum M, K], layout = offsets [G + 1]
+constexpr uint32_t kKindMasked = 3;      // A [G, Mmax, K] as [G * Mmax, K], layout = masked_m [G]
+
+// One output tile: rows [m0, m0 + BLOCK_M) of the 2-D views of A and D, one group's B.
+struct Tile {
+  int32_t m0;        // first row in the 2-D view of A and D
+  int32_t sa_m;      // row coordinate of the A-scale map (row within the group for masked)
+  uint32_t n_block;
+  uint32_t group;
+  uint32_t rows;     // rows of the group from m0 (offsets, masked; BLOCK_M or fewer)
+  bool full;         // every row the TMA store would write belongs to the tile's group
+};
+
+// Rows of a contiguous-layout block as a warp sees them: every lane reads BLOCK_M / 32 rows.
+struct BlockGroups {
+  int32_t first;  // smallest valid group (num_groups when none)
+  int32_t last;   // largest valid group (-1 when none)
+  bool uniform;   // every row in [m0, min(m0 + BLOCK_M, M)) belongs to `first`
+};
+
+__device__ __forceinline__ int32_t warp_min_s32(int32_t v) {
+  int32_t r;
+  asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ int32_t warp_max_s32(int32_t v) {
+  int32_t r;
+  asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+// The group of row `row` of a contiguous layout; -1 for padding, rows past M and out-of-range
+// indices (a bad index is never used to address B).
+__device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row, uint32_t shape_m,
+                                             uint32_t num_groups) {
+  if (row >= shape_m) return -1;
+  const int32_t g = __ldg(layout + row);
+  return (g >= 0 && static_cast<uint32_t>(g) < num_groups) ? g : -1;
+}
+
 // kBandAlongM = false: bands of kBandSize n-blocks; inside a band n varies fastest, so the two CTAs
 //   of a cluster (consecutive tiles) share m_block: what multicast of A needs.
 // kBandAlongM = true: bands of kBandSize m-blocks, m fastest: the pair shares n_block (multicast of B).
 // NOTE: with a 2-CTA cluster the host guarantees an even band size and an even block count on the
-// banded side, so tiles 2j and 2j + 1 always share the multicast operand.
-template <uint32_t kNumNBlocks, uint32_t kBandSize, bool kBandAlongM>
+// banded side, so tiles 2j and 2j + 1 always share the multicast operand (dense only).
+// Every method is called by a whole warp (the contiguous layout is read warp-wide).
+template <uint32_t kKind, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize, bool kBandAlongM>
 struct TileScheduler {
-  uint32_t num_m_blocks;
-  uint32_t num_tiles;
+  uint32_t shape_m;     // rows of A as stored: M, sum M, or Mmax (masked)
+  uint32_t num_groups;
+  const int32_t* layout;
+  uint32_t num_tiles;   // dense, contiguous: every (m_block, n_block)
   uint32_t next_tile;
+  // Offsets, masked: the group whose tiles [group_tile0, group_tile0 + group_tiles) come next.
+  uint32_t group, group_tile0, group_tiles, group_row0, group_rows;
+  // Contiguous: blocks that hold rows of several groups (a layout not aligned to BLOCK_M) run
+  // once per further group after every tile's first group (second pass).
+  bool second_pass;
+  uint32_t extra_tile, extra_group, extra_last;
 
-  __device__ __forceinline__ explicit TileScheduler(uint32_t num_m_blocks_)
-      : num_m_blocks(num_m_blocks_), num_tiles(num_m_blocks_ * kNumNBlocks), next_tile(blockIdx.x) {}
+  __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
+                                           uint32_t num_groups_)
+      : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
+        num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks), next_tile(blockIdx.x),
+        group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
+        second_pass(false), extra_tile(0), extra_group(0), extra_last(0) {
+    if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
+      if (num_groups > 0) load_group(0);
+    }
+  }
 
-  __device__ __forceinline__ void tile_coords(uint32_t tile, uint32_t& m_block, uint32_t& n_block) const {
+  // (m_block, n_block) of tile `tile` of a band-rasterised grid of num_m_blocks x kNumNBlocks.
+  __device__ __forceinline__ static void tile_coords(uint32_t tile, uint32_t num_m_blocks,
+                                                     uint32_t& m_block, uint32_t& n_block) {
     if constexpr (!kBandAlongM) {
       const uint32_t tiles_per_band = kBandSize * num_m_blocks;
       const uint32_t band = tile / tiles_per_band;
@@ -42,12 +109,125 @@ struct TileScheduler {
     }
   }
 
+  // Offsets, masked: rows of group g, clamped so that bad values never address outside A or D.
+  __device__ __forceinline__ void load_group(uint32_t g) {
+    group = g;
+    if constexpr (kKind == kKindMasked) {
+      const int32_t rows = __ldg(layout + g);
+      group_row0 = g * shape_m;
+      group_rows = rows < 0 ? 0u : (static_cast<uint32_t>(rows) > shape_m ? shape_m : rows);
+    } else {
+      const int32_t lo_ = __ldg(layout + g), hi_ = __ldg(layout + g + 1);
+      const uint32_t lo = lo_ < 0 ? 0u : (static_cast<uint32_t>(lo_) > shape_m ? shape_m : lo_);
+      const uint32_t hi = hi_ < static_cast<int32_t>(lo) ? lo
+                          : (static_cast<uint32_t>(hi_) > shape_m ? shape_m : hi_);
+      group_row0 = lo;
+      group_rows = hi - lo;
+    }
+    group_tiles = ceil_div(group_rows, BLOCK_M) * kNumNBlocks;
+  }
+
+  // Contiguous: which groups the rows of the block at m0 belong to (read by the whole warp).
+  __device__ __forceinline__ BlockGroups block_groups(uint32_t m0) const {
+    constexpr uint32_t kRowsPerLane = BLOCK_M / 32;
+    const uint32_t lane = lane_idx();
+    int32_t lo = static_cast<int32_t>(num_groups), hi = -1;
+    bool any_padding = false;
+#pragma unroll
+    for (uint32_t i = 0; i < kRowsPerLane; ++i) {
+      const uint32_t row = m0 + lane * kRowsPerLane + i;
+      const int32_t g = row_group(layout, row, shape_m, num_groups);
+      if (g >= 0) {
+        lo = g < lo ? g : lo;
+        hi = g > hi ? g : hi;
+      } else if (row < shape_m) {
+        any_padding = true;
+      }
+    }
+    BlockGroups r;
+    r.first = warp_min_s32(lo);
+    r.last = warp_max_s32(hi);
+    r.uniform = r.first == r.last && !__any_sync(0xffffffffu, any_padding);
+    return r;
+  }
+
+  // Contiguous: whether any row of the block at m0 belongs to group g.
+  __device__ __forceinline__ bool block_has_group(uint32_t m0, int32_t g) const {
+    constexpr uint32_t kRowsPerLane = BLOCK_M / 32;
+    const uint32_t lane = lane_idx();
+    bool has = false;
+#pragma unroll
+    for (uint32_t i = 0; i < kRowsPerLane; ++i)
+      has |= row_group(layout, m0 + lane * kRowsPerLane + i, shape_m, num_groups) == g;
+    return __any_sync(0xffffffffu, has);
+  }
+
   // The next tile of this CTA; false when none is left.
-  __device__ __forceinline__ bool next(uint32_t& m_block, uint32_t& n_block) {
-    if (next_tile >= num_tiles) return false;
-    tile_coords(next_tile, m_block, n_block);
-    next_tile += gridDim.x;
-    return true;
+  __device__ __forceinline__ bool next(Tile& t) {
+    if constexpr (kKind == kKindDense) {
+      if (next_tile >= num_tiles) return false;
+      uint32_t m_block, n_block;
+      tile_coords(next_tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+      next_tile += gridDim.x;
+      t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
+      t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
+      return true;
+    } else if constexpr (kKind == kKindContiguous) {
+      static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 128, "a contiguous block is one 128-row group");
+      const uint32_t num_m_blocks = ceil_div(shape_m, BLOCK_M);
+      uint32_t m_block, n_block;
+      // First pass: every block's first group. A block of padding only is skipped: no loads,
+      // no MMA, no stores.
+      while (!second_pass) {
+        if (next_tile >= num_tiles) {
+          second_pass = true, extra_tile = blockIdx.x, extra_group = 1, extra_last = 0;
+          break;
+        }
+        tile_coords(next_tile, num_m_blocks, m_block, n_block);
+        next_tile += gridDim.x;
+        const BlockGroups bg = block_groups(m_block * BLOCK_M);
+        if (bg.last < 0) continue;
+        t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
+        t.n_block = n_block, t.group = static_cast<uint32_t>(bg.first), t.rows = BLOCK_M;
+        t.full = bg.uniform;
+        return true;
+      }
+      // Second pass: the further groups of blocks that hold several, each under its row mask.
+      while (true) {
+        if (extra_group > extra_last) {
+          if (extra_tile >= num_tiles) return false;
+          tile_coords(extra_tile, num_m_blocks, m_block, n_block);
+          extra_tile += gridDim.x;
+          const BlockGroups bg = block_groups(m_block * BLOCK_M);
+          if (bg.last <= bg.first) continue;
+          extra_group = static_cast<uint32_t>(bg.first) + 1, extra_last = static_cast<uint32_t>(bg.last);
+        }
+        const uint32_t tile = extra_tile - gridDim.x;
+        tile_coords(tile, num_m_blocks, m_block, n_block);
+        const uint32_t g = extra_group++;
+        if (!block_has_group(m_block * BLOCK_M, static_cast<int32_t>(g))) continue;
+        t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
+        t.n_block = n_block, t.group = g, t.rows = BLOCK_M, t.full = false;
+        return true;
+      }
+    } else {
+      // Offsets, masked: advance to the group that holds tile next_tile.
+      while (next_tile >= group_tile0 + group_tiles) {
+        if (group + 1 >= num_groups) return false;
+        group_tile0 += group_tiles;
+        load_group(group + 1);
+      }
+      uint32_t m_block, n_block;
+      tile_coords(next_tile - group_tile0, ceil_div(group_rows, BLOCK_M), m_block, n_block);
+      next_tile += gridDim.x;
+      const uint32_t row_in_group = m_block * BLOCK_M;
+      t.m0 = static_cast<int32_t>(group_row0 + row_in_group);
+      t.sa_m = static_cast<int32_t>(kKind == kKindMasked ? row_in_group : group_row0 + row_in_group);
+      t.n_block = n_block, t.group = group;
+      t.rows = group_rows - row_in_group < BLOCK_M ? group_rows - row_in_group : BLOCK_M;
+      t.full = t.rows == BLOCK_M;
+      return true;
+    }
   }
 };
 

@@ -104,6 +104,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDescriptor* desc
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_3d(void* dst, const TmaDescriptor* desc, uint64_t* bar,
+                                            int32_t c0, int32_t c1, int32_t c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // One load written to the same offset in every CTA of `cta_mask`; each CTA's barrier at `bar`'s
 // offset receives the bytes.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TmaDescriptor* desc,
@@ -196,6 +205,24 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(smem_addr(ptr)), "r"(value) : "memory");
+}
+
+struct U32x4 {
+  uint32_t x, y, z, w;
+};
+
+__device__ __forceinline__ U32x4 ld_shared_v4(const void* ptr) {
+  U32x4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_addr(ptr)));
+  return v;
+}
+
+__device__ __forceinline__ void st_global_v4(void* ptr, U32x4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
 }
 
 }  // namespace fp8gemm

@@ -1,0 +1,54 @@
+"""Host pieces every sm90 family shares: tensor layouts TMA can address, and the launch on the
+current torch stream."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import jit
+from ...layout import TMA_ALIGN_BYTES, get_col_major_tma_aligned_tensor
+
+__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch"]
+
+# Raw stream handles that are not real streams: NULL (legacy default), CU_STREAM_LEGACY,
+# CU_STREAM_PER_THREAD (cuda.h).
+_SPECIAL_STREAMS = (0, 1, 2)
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """Row stride (elements) of a contiguous 2-D tensor for its tensor map.
+    NOTE: torch calls a tensor with one row contiguous whatever its row stride (a [1, K] view of
+    a wider buffer, an expanded row: stride 0); TMA reads one row then, so the packed stride is
+    used and the descriptor is the same for every such view."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def tma_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy when its base address is not 16-byte aligned (a contiguous view
+    at an odd storage offset): TMA cannot address it, and `supports` sees only the problem, not
+    the pointers, so the backend copies (slow but correct, never an error)."""
+    return t if t.data_ptr() % TMA_ALIGN_BYTES == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def kernel_a_scales(sa: torch.Tensor) -> torch.Tensor:
+    """A scales [..., M, kb] in the kernels' layout (column-major, columns padded to 16 bytes:
+    `layout.get_col_major_tma_aligned_tensor`) at a 16-byte aligned base: sa itself when it
+    already is (what quantize_per_token emits), else a converted copy."""
+    sa = get_col_major_tma_aligned_tensor(sa)
+    if sa.data_ptr() % TMA_ALIGN_BYTES:
+        sa = get_col_major_tma_aligned_tensor(sa.contiguous())
+    return sa
+
+
+def launch(kernel: jit.Kernel, config: jit.LaunchConfig, device_index: int,
+           pack: jit.ParamPack) -> None:
+    """Launch on the current torch stream of the tensors' device."""
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    # NOTE: a CUkernel launched on a special stream (torch's default stream is NULL) runs in the
+    # thread's *current* context (cuda.h, cuLaunchKernelEx), not the one of the tensors' device:
+    # make that device current when it is not (tensors on cuda:1, current device cuda:0).
+    if stream in _SPECIAL_STREAMS and torch._C._cuda_getDevice() != device_index:
+        with torch.cuda.device(device_index):
+            kernel.launch(config, stream, pack)
+    else:
+        kernel.launch(config, stream, pack)

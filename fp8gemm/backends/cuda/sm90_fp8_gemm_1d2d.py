@@ -1,0 +1,510 @@
+"""The sm90 1D2D kernel families: A scaled per 1x128 group, B per 128x128 block, bf16 out.
+
+Kernel: include/fp8gemm/sm90_fp8_gemm_1d2d.cuh, one template for the dense GEMM and the three
+MoE-grouped kinds (one scheduler walks all of them). N and K are compile-time constants; M, the
+group count and the grouped layout (m_indices, offsets, masked_m) are kernel arguments.
+
+Two families share it: `sm90_fp8_gemm_1d2d` (dense) and `sm90_m_grouped_fp8_gemm_1d2d`
+(contiguous, offsets, masked). Each owns its heuristic; both run through `Sm90Plan`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ... import jit
+from ..._settings import settings
+from ...layout import is_col_major_tma_aligned, num_sms_override
+from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
+from ..family import DeviceFacts, KernelFamily
+from .launch import kernel_a_scales, launch, row_stride, tma_aligned
+
+__all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
+           "smem_bytes", "max_stages", "num_threads", "tile_cost", "mma_efficiency", "use_two_accum",
+           "kernel_source", "compile_kernel", "BLOCK_K", "BLOCK_N_CHOICES", "MAX_K"]
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+# NOTE: one k-block is one scale block: partial sums are promoted (and scaled) every 128 of K.
+BLOCK_K = SCALE_BLOCK
+# NOTE: wgmma N goes up to 256, but each math thread holds two BLOCK_N/2 float accumulators
+# (wgmma's and the promoted FP32 one) in 232 registers: 160 is the widest that fits with room for
+# addresses. Above 128 only widths that never straddle three 128-wide B scale blocks
+# (BLOCK_N <= 128 + largest power of two dividing it): 136, 144, 160.
+BLOCK_N_CHOICES = tuple(range(16, 129, 8)) + (136, 144, 160)
+BLOCK_M_CHOICES = (64, 128, 256)
+# BLOCK_M = 256 keeps two FP32 sums per thread besides the wgmma accumulator: BLOCK_N <= 136 fits
+# without spills (144 spills). Narrower tiles gain nothing from the second wave: on the M = 4096
+# shapes 256x96 and 256x112 ran 20-28 % slower than 256x128 (more than their wave counts say).
+BLOCK_N_CHOICES_256 = (128, 136)
+MAX_STAGES = 8
+MIN_STAGES = 3
+# Tiles per rasterisation band (even: a 2-CTA cluster's two tiles must share a band).
+BAND_SIZE = 16
+# NOTE: cost model of one tile per unit of K: max(MMA time, load time), in FLOP units, fitted to
+# H200 runs timed as the bench times (cold L2, GPU kept busy before the start).
+# - MMA: 2*BM*BN / efficiency. The tensor cores take N in steps of 32 (N = 136 costs about what
+#   160 does), so efficiency is BN / align(BN, 32), times WIDE_TILE_EFFICIENCY above 128. One math
+#   warpgroup (BLOCK_M = 64) waits for its own wgmma before each promotion and reaches well under
+#   half the rate of two, which alternate (0.4 fits the M = 128 shapes, where both tile heights
+#   compete). BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128
+#   at equal wave counts on the six M = 4096 suite shapes: 1.06. Tiles wider than 128: 0.96 at
+#   BLOCK_M <= 128, 1.02 at 256 (256x136 ran 0.87x 256x128's per-FLOP rate; 136/160 alone says
+#   0.85). Two wgmma accumulators in flight on 128x128 (use_two_accum), with the epilogue under
+#   the next tile's first wgmma: 256x128 still ran 2-5 % faster at equal waves on the M = 4096
+#   shapes, so the two accumulators' tile costs / 1.02 at K >= 1024.
+# - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
+#   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
+LOAD_WEIGHT = 128
+ONE_WARPGROUP_EFFICIENCY = 0.4
+TWO_WAVE_EFFICIENCY = 1.06
+TWO_ACCUM_EFFICIENCY = 1.02
+TWO_ACCUM_MIN_K = 1024
+TWO_ACCUM_MAX_K = 49152
+WIDE_TILE_EFFICIENCY = {64: 0.96, 128: 0.96, 256: 1.02}
+# 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
+# compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
+# the model says loads bound the tile.
+MULTICAST_MIN_M = 512
+# NOTE: clearing the reuse and no-yield bits of the promotion FFMAs in the SASS (so the other
+# math warpgroup issues its wgmma sooner) ran 1-5 % slower on every M = 4096 suite shape on the
+# H200 with 128x128 and 256x128 tiles: the cubins are used as ptxas writes them.
+# NOTE: the kernel keeps every k-block's B scales in shared memory (8 bytes per 128 of K) and
+# prefetches them into registers (2 * K/128 / math threads per thread): at K = 262144 a 64x160 tile
+# spills, and near K = 4M no tile fits shared memory. 131072 is the largest K checked to compile
+# without spills for the widest tiles (tests/test_cuda_compile.py); larger K goes to another backend.
+MAX_K = 131072
+
+
+def use_two_accum(block_m: int, block_n: int, k: int) -> bool:
+    """Two accumulators in flight (and the epilogue under the next tile's first wgmma): on 128x128
+    tiles up to K = TWO_ACCUM_MAX_K. The kernel takes any BLOCK_N <= 128 with BLOCK_M = 128, but
+    ptxas spills for some (128x120; 128x112 from K = 32768; 128x128 at K = 65536), and against
+    one accumulator narrow tiles measured within +-4 % on the H200 while 128x128 gained 3-7 %. tests/test_cuda_compile.py compiles every K step of this range."""
+    return (block_m, block_n) == (128, 128) and k <= TWO_ACCUM_MAX_K
+
+
+def mma_efficiency(block_m: int, block_n: int) -> float:
+    eff = block_n / align(block_n, 32)
+    if block_n > 128:
+        eff *= WIDE_TILE_EFFICIENCY[block_m]
+    if block_m == 64:
+        eff *= ONE_WARPGROUP_EFFICIENCY
+    elif block_m == 256:
+        eff *= TWO_WAVE_EFFICIENCY
+    return eff
+
+
+def tile_cost(block_m: int, block_n: int, k: int = 0) -> float:
+    cost = max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
+               LOAD_WEIGHT * (block_m + block_n))
+    # The two accumulators' gain is measured on the whole tile (the model calls 128x128
+    # load-bound; it ran faster than that bound with them).
+    if use_two_accum(block_m, block_n, k) and k >= TWO_ACCUM_MIN_K:
+        cost /= TWO_ACCUM_EFFICIENCY
+    return cost
+
+
+
+# --- config ---------------------------------------------------------------------------------------
+def num_threads(block_m: int) -> int:
+    """One producer warpgroup and one (BLOCK_M = 64) or two math warpgroups (the kernel's
+    sm90_num_math_threads + 128)."""
+    return 128 + (128 if block_m == 64 else 256)
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
+    """Sm90Fp8Gemm1d2dLayout::kSmemBytes: the kernel traps when launched with less."""
+    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4
+    sb = align(2 * ceil_div(k, BLOCK_K) * 4, 8)
+    return 1024 + block_m * block_n * 2 + num_stages * per_stage + sb + 2 * num_stages * 8
+
+
+@dataclass(frozen=True)
+class Sm90Config:
+    """One instance of the sm90 1D2D kernel and its launch."""
+
+    block_m: int
+    block_n: int
+    num_stages: int
+    num_multicast: int  # CTAs per cluster sharing one TMA load (1 or 2; dense only)
+    multicast_on_a: bool  # which operand the cluster shares (meaningful when num_multicast == 2)
+    band_size: int
+    grid: int  # persistent CTAs
+    two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M 128, BLOCK_N <= 128)
+
+    @property
+    def num_threads(self) -> int:
+        return num_threads(self.block_m)
+
+    def smem(self, k: int) -> int:
+        """Dynamic shared memory of this config at K, bytes."""
+        return smem_bytes(self.block_m, self.block_n, self.num_stages, k)
+
+    def __str__(self) -> str:
+        mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
+        return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
+                f"multicast={mc} grid={self.grid} threads={self.num_threads}"
+                + (" accum=2" if self.two_accum else ""))
+
+
+def max_stages(block_m: int, block_n: int, k: int, smem_limit: int) -> int:
+    """The deepest pipeline of this tile that fits `smem_limit` bytes (0: none fits)."""
+    for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
+        if smem_bytes(block_m, block_n, s, k) <= smem_limit:
+            return s
+    return 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    block_m: int
+    block_n: int
+    num_stages: int
+    tiles: int
+    waves: int
+    last_wave: int  # tiles in the last wave
+    cost: float  # modelled time: waves * tile_cost (max of MMA and loads per unit of K)
+
+
+def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
+                    block_ms: tuple[int, ...] = BLOCK_M_CHOICES) -> list[Candidate]:
+    """Every tile shape that fits shared memory, with its modelled cost, for `groups` GEMMs of
+    M = m rows each."""
+    out = []
+    for bm in block_ms:
+        if (bm == 128 and m <= 64) or (bm == 256 and m <= 128):
+            continue  # a second math warpgroup or wave would only multiply zeros
+        for bn in BLOCK_N_CHOICES:
+            if bn > align(n, 8) and bn != BLOCK_N_CHOICES[0]:
+                continue  # wider than N: only zero columns
+            if bm == 256 and bn not in BLOCK_N_CHOICES_256:
+                continue
+            stages = max_stages(bm, bn, k, facts.smem_per_block)
+            if stages == 0:
+                continue
+            tiles = groups * ceil_div(m, bm) * ceil_div(n, bn)
+            waves = ceil_div(tiles, facts.num_sms)
+            last = tiles - (waves - 1) * facts.num_sms
+            # NOTE: rounded, so that tiles the model prices alike tie exactly and the tie-breaks
+            # decide (7168 / 0.35 came out 1 ulp under 8192 / 0.4, and 64x56 beat 64x64 on that).
+            cost = round(waves * tile_cost(bm, bn, k), 6)
+            out.append(Candidate(bm, bn, stages, tiles, waves, last, cost))
+    return out
+
+
+def _rank(c: Candidate) -> tuple:
+    # Least modelled time (waves x tile cost: fewest waves for what a tile costs); among equals,
+    # fewer tiles (less per-tile overhead: epilogue, pipeline ramp), two math warpgroups, the
+    # fullest last wave, then the wider tile.
+    return (c.cost, c.tiles, -c.block_m, -c.last_wave, -c.block_n)
+
+
+def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
+            on_a: bool = True) -> Sm90Config:
+    grid = min(facts.num_sms, best.tiles)
+    grid -= grid % multicast
+    return Sm90Config(block_m=best.block_m, block_n=best.block_n, num_stages=best.num_stages,
+                      num_multicast=multicast, multicast_on_a=on_a, band_size=BAND_SIZE,
+                      grid=max(grid, multicast),
+                      two_accum=use_two_accum(best.block_m, best.block_n, k))
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
+    cands = candidate_tiles(m, n, k, facts)
+    if not cands:
+        raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
+    best = min(cands, key=_rank)
+    num_m_blocks, num_n_blocks = ceil_div(m, best.block_m), ceil_div(n, best.block_n)
+    # NOTE: a 2-CTA cluster shares one operand's tile; both CTAs must run the same tiles in step,
+    # so the shared side needs an even block count (pairs of tiles never straddle a band) and the
+    # grid an even CTA count.
+    multicast, on_a = 1, True
+    load_bound = LOAD_WEIGHT * (best.block_m + best.block_n) > \
+        2 * best.block_m * best.block_n / mma_efficiency(best.block_m, best.block_n)
+    if (m >= MULTICAST_MIN_M and load_bound and facts.num_sms >= 2
+            and best.tiles >= facts.num_sms):
+        b_ok, a_ok = num_m_blocks % 2 == 0, num_n_blocks % 2 == 0
+        if b_ok and (best.block_n >= best.block_m or not a_ok):
+            multicast, on_a = 2, False
+        elif a_ok:
+            multicast, on_a = 2, True
+    return _config(best, k, facts, multicast, on_a)
+
+
+# NOTE: a contiguous block is one group's 128-row slot (CONTIGUOUS_M_ALIGNMENT): taller tiles
+# would mix groups. Offsets and masked tiles never cross a group either, and a group's last tile
+# is partial, so tall tiles waste more rows there: the grouped family tiles at most 128 rows.
+GROUPED_BLOCK_M_CHOICES = (64, 128)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
+                    facts: DeviceFacts) -> Sm90Config:
+    # Contiguous / offsets: the rows of all groups tile as one M (groups end on tile boundaries
+    # in the padded layout); masked: `groups` GEMMs of the expected rows each.
+    if kind is GemmKind.MASKED:
+        cands = candidate_tiles(rows, n, k, facts, groups, GROUPED_BLOCK_M_CHOICES)
+    else:
+        cands = candidate_tiles(rows, n, k, facts, 1, GROUPED_BLOCK_M_CHOICES)
+    if not cands:
+        raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
+    return _config(min(cands, key=_rank), k, facts)
+
+
+# --- kernel source -------------------------------------------------------------------------------
+_KIND = {GemmKind.DENSE: 0, GemmKind.CONTIGUOUS: 1, GemmKind.OFFSETS: 2, GemmKind.MASKED: 3}
+
+
+def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (kind, N, K, config)."""
+    source = "#include <fp8gemm/sm90_fp8_gemm_1d2d.cuh>\n"
+    b = {True: "true", False: "false"}
+    name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
+            f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
+            f"{cfg.band_size}, {b[cfg.two_accum]}>")
+    return source, name
+
+
+def compile_kernel(kind: GemmKind, n: int, k: int, cfg: Sm90Config, compiler: str | None = None):
+    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
+    source, name = kernel_source(kind, n, k, cfg)
+    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
+
+
+# --- launch --------------------------------------------------------------------------------------
+class Sm90Plan:
+    """Everything fixed for one (problem, device, config): kernel, launch config, and the
+    argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
+
+    __slots__ = ("cfg", "kind", "kernel", "launch", "device_index", "m", "n", "k", "groups",
+                 "num_kb", "packs", "tmaps", "sm_override")
+
+    def __init__(self, problem: GemmProblem, device_index: int, cfg: Sm90Config) -> None:
+        # The set_num_sms value the config was chosen under (warm launches compare it).
+        self.sm_override = num_sms_override()
+        self.cfg, self.kind = cfg, problem.kind
+        self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
+        self.num_kb = ceil_div(problem.k, BLOCK_K)
+        self.device_index = device_index
+        if cfg.num_multicast == 2:
+            blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
+                      else ceil_div(self.m, cfg.block_m))
+            if problem.kind is not GemmKind.DENSE or blocks % 2 or cfg.band_size % 2:
+                raise ValueError(f"config {cfg}: multicast needs a dense problem, an even block "
+                                 f"count on the shared side and an even band")
+        smem = cfg.smem(problem.k)
+        self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg),
+                                (str(INCLUDE_DIR),))
+        self.kernel.set_max_dynamic_smem(smem, device_index)
+        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), smem,
+                                       (cfg.num_multicast, 1, 1))
+        self.packs: dict[tuple, jit.ParamPack] = {}
+        self.tmaps = jit.TensorMapCache(capacity=512)
+
+    def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+               out: torch.Tensor, index: torch.Tensor | None, key: tuple) -> jit.ParamPack:
+        cfg, m, n, k, kb = self.cfg, self.m, self.n, self.k, self.num_kb
+        tm = self.tmaps
+        masked = self.kind is GemmKind.MASKED
+        rows = self.groups * m if masked else m  # rows of the 2-D views of A and D
+        a2, b_rows = a.view(rows, k), self.groups * n
+        # NOTE: a box of min(BLOCK_M, rows) rows: the kernel expects exactly these bytes per stage.
+        map_a = tm.get(a.dtype, a.data_ptr(), (k, rows), (row_stride(a2) * a.element_size(),),
+                       (BLOCK_K, min(cfg.block_m, rows)), jit.Swizzle.B128)
+        map_b = tm.get(b.dtype, b.data_ptr(), (k, b_rows), (k * b.element_size(),),
+                       (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
+        mp = align(m, 4)  # the A-scale column stride (layout.get_col_major_tma_aligned_tensor)
+        if masked:
+            map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb, self.groups),
+                            (mp * 4, kb * mp * 4), (cfg.block_m, 1, 1))
+        else:
+            map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb), (mp * 4,), (cfg.block_m, 1))
+        # Output: 64-column chunks with the 128-byte swizzle, then the BLOCK_N % 64 tail plain
+        # (the kernel ignores a map it has no columns for).
+        d_stride = (n * out.element_size(),)
+        tail = cfg.block_n % 64
+        map_d = tm.get(out.dtype, out.data_ptr(), (n, rows), d_stride, (64, cfg.block_m),
+                       jit.Swizzle.B128) if cfg.block_n >= 64 else None
+        map_d_tail = tm.get(out.dtype, out.data_ptr(), (n, rows), d_stride, (tail, cfg.block_m)) \
+            if tail else None
+        pack = jit.ParamPack([ctypes.c_uint64(sb.data_ptr()), ctypes.c_uint32(m),
+                              ctypes.c_uint64(0 if index is None else index.data_ptr()),
+                              ctypes.c_uint32(self.groups), ctypes.c_uint64(out.data_ptr()),
+                              map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d])
+        if len(self.packs) >= 1024:
+            self.packs.clear()
+        self.packs[key] = pack
+        return pack
+
+    def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+            out: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """out = (a * sa) @ (b * sb)^T per group; tensors as the backend contract hands them
+        over (a, b, out, index contiguous; scales float32, any strides)."""
+        sa = kernel_a_scales(sa)
+        if not sb.is_contiguous():
+            sb = sb.contiguous()
+        dst = out
+        if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
+            # A contiguous view at an odd storage offset: TMA cannot address it (slow path).
+            a, b = tma_aligned(a), tma_aligned(b)
+            if out.data_ptr() % 16:
+                # NOTE: grouped kernels leave rows of no group untouched: start from out's values.
+                dst = out.clone(memory_format=torch.contiguous_format)
+        # NOTE: with a, b and dst contiguous and the plan fixing the shapes, these pointers and
+        # sa's strides are all the descriptors depend on (one-row strides: see row_stride).
+        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
+               0 if index is None else index.data_ptr())
+        pack = self.packs.get(key)
+        if pack is None:
+            pack = self.params(a, sa, b, sb, dst, index, key)
+        launch(self.kernel, self.launch, self.device_index, pack)
+        if dst is not out:
+            out.copy_(dst)
+
+
+_plans: dict[tuple, Sm90Plan] = {}
+
+
+def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config) -> Sm90Plan:
+    """The plan of (problem, device, config), built on first use."""
+    # NOTE: supports() fixes dtypes and recipes, so (kind, shapes, device, config) is the key.
+    key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, device_index, cfg)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 4096:
+            _plans.clear()
+        plan = _plans[key] = Sm90Plan(problem, device_index, cfg)
+        if settings.print_configs:
+            fam = DENSE if problem.kind is GemmKind.DENSE else GROUPED
+            print(f"[fp8gemm] cuda: {problem} -> {fam.name} {cfg}", flush=True)
+    return plan
+
+
+# --- families ------------------------------------------------------------------------------------
+def _common_refusal(problem: GemmProblem) -> str | None:
+    if problem.a_dtype != torch.float8_e4m3fn or problem.b_dtype != torch.float8_e4m3fn:
+        return "the sm90 kernel takes e4m3 x e4m3 only"
+    if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.BLOCK:
+        return "the sm90 kernel takes A 1x128 groups with B 128x128 blocks only"
+    if problem.out_dtype != torch.bfloat16:
+        return "the sm90 kernel writes bfloat16 only"
+    if problem.has_c:
+        return "the sm90 kernel has no C accumulator input"
+    if problem.k % 16:
+        return f"TMA needs K % 16 == 0 (16-byte rows of A and B), got K={problem.k}"
+    if problem.n % 8:
+        return f"TMA needs N % 8 == 0 (16-byte rows of bf16 output), got N={problem.n}"
+    if problem.k > MAX_K:
+        return f"the sm90 kernel keeps K/128 B scales on chip: K <= {MAX_K}, got K={problem.k}"
+    rows = problem.m * (problem.groups if problem.kind is GemmKind.MASKED else 1)
+    if rows >= 2 ** 31 or problem.groups * problem.n >= 2 ** 31:
+        return "dimensions must fit in int32 TMA coordinates"
+    return None
+
+
+class _Sm90Family(KernelFamily):
+    Config = Sm90Config
+
+    def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[Sm90Config]:
+        """The chosen config first, then every other tile that fits, without multicast."""
+        best = self.select_config(problem, facts)
+        block_ms = BLOCK_M_CHOICES if problem.kind is GemmKind.DENSE else GROUPED_BLOCK_M_CHOICES
+        rows, groups = problem.m, 1
+        if problem.kind is GemmKind.MASKED:
+            rows, groups = max(1, problem.expected_m), problem.groups
+        out = [best]
+        for c in sorted(candidate_tiles(rows, problem.n, problem.k, facts, groups, block_ms),
+                        key=_rank):
+            cfg = _config(c, problem.k, facts)
+            if cfg not in out:
+                out.append(cfg)
+        return out
+
+    def config_for(self, problem: GemmProblem, device: torch.device) -> Sm90Config:
+        return self.select_config(problem, DeviceFacts.of(device))
+
+    def run(self, config: Sm90Config, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
+            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
+            index: torch.Tensor | None = None) -> None:
+        if c is not None:
+            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
+        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out, index)
+
+
+class Sm90Fp8Gemm1d2d(_Sm90Family):
+    """Dense: D[M, N] = A . B^T, M a kernel argument; 2-CTA multicast where loads bound the tile."""
+
+    name = "sm90_fp8_gemm_1d2d"
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind is not GemmKind.DENSE:
+            return f"takes dense GEMMs, not {problem.kind.value}"
+        return _common_refusal(problem)
+
+    def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Sm90Config:
+        return _select_dense(problem.m, problem.n, problem.k, facts)
+
+
+class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
+    """MoE grouped along M: contiguous (m_indices), offsets, masked (masked_m read on the device,
+    expected_m picks the config). Rows of no group are neither computed nor written; a
+    contiguous block of padding only costs no loads, MMA or stores."""
+
+    name = "sm90_m_grouped_fp8_gemm_1d2d"
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind is GemmKind.DENSE:
+            return "takes grouped GEMMs, not dense"
+        return _common_refusal(problem)
+
+    def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Sm90Config:
+        rows = max(1, problem.expected_m) if problem.kind is GemmKind.MASKED else problem.m
+        return _select_grouped(problem.kind, rows, problem.groups, problem.n, problem.k, facts)
+
+
+DENSE = Sm90Fp8Gemm1d2d()
+GROUPED = Sm90MGroupedFp8Gemm1d2d()
+
+
+# --- the ops layer's warm-call fast path (dense) ---------------------------------------------------
+class _Launcher:
+    """Warm calls of one metadata signature of the ops layer's fast path: every call has the
+    metadata (shapes, strides, dtypes, device) of the call the launcher was made for, so only
+    data pointers vary. A hit in the plan's argument packs launches at once; anything else
+    (new pointers, set_num_sms since) takes the family's run, which builds what is missing and
+    copies what TMA cannot address."""
+
+    __slots__ = ("problem", "device", "device_index", "plan")
+
+    def __init__(self, problem: GemmProblem, device: torch.device) -> None:
+        self.problem, self.device, self.device_index = problem, device, device.index
+        self.plan = get_plan(problem, device.index, DENSE.config_for(problem, device))
+
+    def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+            out: torch.Tensor, c: None) -> None:
+        """c is None: supports() refuses has_c."""
+        plan = self.plan
+        # NOTE: Sm90Plan.run's pack key; a hit needs no alignment check, since packs hold only
+        # 16-byte aligned pointers (run copies the others) and sa's strides are fixed.
+        pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
+                               out.data_ptr(), 0))
+        if pack is not None and plan.sm_override == num_sms_override():
+            launch(plan.kernel, plan.launch, self.device_index, pack)
+        else:
+            self.plan = get_plan(self.problem, self.device_index,
+                                 DENSE.config_for(self.problem, self.device))
+            self.plan.run(a, sa, b, sb, out)
+
+
+def launcher(problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor):
+    """`_Launcher.run` for warm calls with contiguous a, b, out and scales with the metadata of
+    sa and sb, or None when those scales need converting on every call (the general path)."""
+    if not (is_col_major_tma_aligned(sa) and sb.is_contiguous()):
+        return None
+    return _Launcher(problem, sa.device).run

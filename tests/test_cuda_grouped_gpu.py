@@ -1,0 +1,257 @@
+"""GPU tests of the CUDA backend's grouped sm90 family (skipped without a Hopper GPU): contiguous,
+offsets and masked GEMMs through the public ops with backend="cuda".
+
+Outputs are poisoned with NaN first: every row of a group must be written, and every row of no
+group (m_indices -1, rows at or past masked_m[g]) must still be NaN afterwards. The reference is
+float64 on the dequantised inputs, row by row with each row's own group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fp8gemm
+from fp8gemm.problem import ceil_div
+from helpers import calc_diff
+
+pytestmark = pytest.mark.gpu
+
+E4M3 = torch.float8_e4m3fn
+TOL_BF16 = 1e-5
+NAN = float("nan")
+
+
+def scales(shape, device) -> torch.Tensor:
+    return torch.exp2(torch.empty(shape, device=device).uniform_(-2.0, 2.0))
+
+
+def grouped_b(g: int, n: int, k: int, device):
+    b = torch.randn(g, n, k, device=device).to(E4M3)
+    sb = scales((g, ceil_div(n, 128), ceil_div(k, 128)), device)
+    return b, sb
+
+
+def dequant_b(b, sb) -> torch.Tensor:
+    g, n, k = b.shape
+    kidx = torch.arange(k, device=b.device) // 128
+    nidx = torch.arange(n, device=b.device) // 128
+    return b.double() * sb.double()[:, nidx][:, :, kidx]
+
+
+def dequant_a(a, sa) -> torch.Tensor:
+    kidx = torch.arange(a.shape[-1], device=a.device) // 128
+    return a.double() * sa.double()[..., kidx]
+
+
+def reference_rows(a, sa, b, sb, groups: torch.Tensor) -> torch.Tensor:
+    """float64 out[i] = A[i] . B[groups[i]]^T for rows with a group (others 0)."""
+    a64, b64 = dequant_a(a, sa), dequant_b(b, sb)
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    for g in range(b.shape[0]):
+        rows = (groups == g).nonzero().flatten()
+        if rows.numel():
+            out[rows] = a64[rows] @ b64[g].t()
+    return out
+
+
+def contiguous_layout(sizes, align: int, device) -> torch.Tensor:
+    """m_indices for groups of `sizes` rows, each padded to `align` rows with -1."""
+    parts = []
+    for g, s in enumerate(sizes):
+        parts += [g] * s + [-1] * ((-s) % align)
+    return torch.tensor(parts, dtype=torch.int32, device=device)
+
+
+def check_rows(out, ref, groups):
+    """Rows with a group match the reference; rows without one are untouched (NaN)."""
+    valid = groups >= 0
+    assert not torch.isnan(out[valid]).any(), "rows of a group left unwritten"
+    assert torch.isnan(out[~valid]).all(), "rows of no group were written"
+    diff = calc_diff(out[valid], ref[valid])
+    assert diff < TOL_BF16, f"calc_diff {diff:.3g}"
+
+
+CONTIGUOUS = [  # (group sizes, N, K)
+    ([8192] * 4, 4096, 7168),
+    ([4096] * 8, 7168, 2048),
+    ([300, 0, 1, 129, 1000], 576, 320),        # padding blocks, an empty group, tails
+    ([37, 200, 64], 200, 336),                  # N and K tails
+]
+
+
+@pytest.mark.parametrize("sizes,n,k", CONTIGUOUS, ids=lambda v: str(v)[:40])
+def test_contiguous_padded(sizes, n, k, gpu_device):
+    idx = contiguous_layout(sizes, fp8gemm.get_m_alignment_for_contiguous_layout(), gpu_device)
+    m = idx.numel()
+    a = torch.randn(m, k, device=gpu_device).to(E4M3)
+    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
+    b, sb = grouped_b(len(sizes), n, k, gpu_device)
+    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
+    torch.cuda.synchronize()
+    check_rows(out, reference_rows(a, sa, b, sb, idx), idx)
+
+
+def test_contiguous_unaligned_layout(gpu_device):
+    """Groups not aligned to 128 rows, -1 rows inside blocks and an out-of-range index: blocks
+    holding several groups run once per group, each under its row mask."""
+    sizes = [50, 3, 200, 77, 130]
+    parts = []
+    for g, s in enumerate(sizes):
+        parts += [g] * s + [-1] * (g % 3)
+    idx = torch.tensor(parts + [len(sizes) + 5] * 7, dtype=torch.int32, device=gpu_device)
+    m, n, k = idx.numel(), 576, 640
+    a = torch.randn(m, k, device=gpu_device).to(E4M3)
+    sa = scales((m, ceil_div(k, 128)), gpu_device)
+    b, sb = grouped_b(len(sizes), n, k, gpu_device)
+    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
+    torch.cuda.synchronize()
+    groups = torch.where(idx < len(sizes), idx, -1)
+    check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+
+
+@pytest.mark.parametrize("sizes,n,k", [([4096] * 8, 4096, 7168), ([1000, 0, 3, 555, 128, 1], 576, 320),
+                                       ([7, 300, 129], 7168, 2048)], ids=lambda v: str(v)[:40])
+def test_offsets(sizes, n, k, gpu_device):
+    offsets = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32,
+                           device=gpu_device)
+    m = sum(sizes)
+    a = torch.randn(m, k, device=gpu_device).to(E4M3)
+    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
+    b, sb = grouped_b(len(sizes), n, k, gpu_device)
+    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    fp8gemm.m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), out, offsets, backend="cuda")
+    torch.cuda.synchronize()
+    groups = torch.repeat_interleave(torch.arange(len(sizes), device=gpu_device),
+                                     torch.tensor(sizes, device=gpu_device)).int()
+    check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+
+
+def masked_case(g, mmax, n, k, device):
+    a = torch.randn(g, mmax, k, device=device).to(E4M3)
+    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((g, mmax, ceil_div(k, 128)), device))
+    b, sb = grouped_b(g, n, k, device)
+    return a, sa, b, sb
+
+
+def check_masked(out, a, sa, b, sb, masked_m):
+    g, mmax, _ = a.shape
+    rows = torch.arange(mmax, device=a.device)[None, :].expand(g, mmax)
+    groups = torch.where(rows < masked_m[:, None].clamp(max=mmax),
+                         torch.arange(g, device=a.device)[:, None], -1).int()
+    ref = reference_rows(a.flatten(0, 1), sa.flatten(0, 1), b, sb, groups.flatten())
+    check_rows(out.flatten(0, 1), ref, groups.flatten())
+
+
+@pytest.mark.parametrize("g,mmax,n,k,expected", [(4, 256, 4096, 7168, 256), (32, 64, 7168, 2048, 8),
+                                                 (3, 200, 576, 336, 100), (1, 1024, 4096, 7168, 1024)])
+def test_masked(g, mmax, n, k, expected, gpu_device):
+    a, sa, b, sb = masked_case(g, mmax, n, k, gpu_device)
+    masked_m = torch.randint(0, mmax + 1, (g,), dtype=torch.int32, device=gpu_device)
+    masked_m[0] = mmax
+    if g > 1:
+        masked_m[1] = 0
+    out = torch.full((g, mmax, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    fp8gemm.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), out, masked_m, expected,
+                                         backend="cuda")
+    torch.cuda.synchronize()
+    check_masked(out, a, sa, b, sb, masked_m)
+
+
+def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
+    """One capture, replays with new masked_m values in the same buffer: each replay computes
+    exactly the rows the current values say."""
+    g, mmax, n, k = 8, 128, 7168, 2048
+    a, sa, b, sb = masked_case(g, mmax, n, k, gpu_device)
+    masked_m = torch.full((g,), mmax, dtype=torch.int32, device=gpu_device)
+    out = torch.full((g, mmax, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    run = lambda: fp8gemm.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), out, masked_m, 16,
+                                                       backend="cuda")  # noqa: E731
+    run()  # compile, load and encode outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for values in ([1, 0, 17, 128, 64, 65, 3, 127], [0] * 8, [128] * 8):
+        masked_m.copy_(torch.tensor(values, dtype=torch.int32))
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_masked(out, a, sa, b, sb, masked_m)
+
+
+def test_bit_identical_repeats(gpu_device):
+    idx = contiguous_layout([700, 129, 2000], 128, gpu_device)
+    m, n, k = idx.numel(), 4096, 7168
+    a = torch.randn(m, k, device=gpu_device).to(E4M3)
+    sa = scales((m, ceil_div(k, 128)), gpu_device)
+    b, sb = grouped_b(3, n, k, gpu_device)
+    first = fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), None, idx, backend="cuda")
+    for _ in range(3):
+        again = fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), None, idx,
+                                                         backend="cuda")
+        assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+
+
+def test_writes_only_out(gpu_device):
+    """out a view into a larger buffer: nothing around it is written."""
+    sizes, n, k = [100, 250], 576, 320
+    offsets = torch.tensor([0, 100, 350], dtype=torch.int32, device=gpu_device)
+    m = sum(sizes)
+    a = torch.randn(m, k, device=gpu_device).to(E4M3)
+    sa = scales((m, ceil_div(k, 128)), gpu_device)
+    b, sb = grouped_b(2, n, k, gpu_device)
+    big = torch.full((m + 2, n), 7.0, dtype=torch.bfloat16, device=gpu_device)
+    fp8gemm.m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), big[1:m + 1], offsets, backend="cuda")
+    torch.cuda.synchronize()
+    assert bool((big[0] == 7.0).all()) and bool((big[m + 1] == 7.0).all())
+    groups = torch.tensor([0] * 100 + [1] * 250, dtype=torch.int32, device=gpu_device)
+    assert calc_diff(big[1:m + 1], reference_rows(a, sa, b, sb, groups)) < TOL_BF16
+
+
+_BAD_VALUES_SCRIPT = textwrap.dedent("""
+    import torch, fp8gemm
+    e4m3, dev = torch.float8_e4m3fn, "cuda"
+    g, n, k = 3, 576, 320
+    b = torch.randn(g, n, k, device=dev).to(e4m3)
+    sb = torch.ones(g, 5, 3, device=dev)
+    # m_indices out of range both ways, offsets past the end and decreasing, masked_m > Mmax.
+    a = torch.randn(300, k, device=dev).to(e4m3)
+    sa = torch.ones(300, 3, device=dev)
+    idx = torch.randint(-50, 50, (300,), dtype=torch.int32, device=dev)
+    out = torch.zeros(300, n, dtype=torch.bfloat16, device=dev)
+    fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
+    offsets = torch.tensor([0, 900, 5, -7], dtype=torch.int32, device=dev)
+    fp8gemm.m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), out, offsets, backend="cuda")
+    a3 = torch.randn(g, 64, k, device=dev).to(e4m3)
+    sa3 = torch.ones(g, 64, 3, device=dev)
+    out3 = torch.zeros(g, 64, n, dtype=torch.bfloat16, device=dev)
+    masked_m = torch.tensor([1000, -5, 64], dtype=torch.int32, device=dev)
+    fp8gemm.m_grouped_fp8_gemm_nt_masked((a3, sa3), (b, sb), out3, masked_m, 64, backend="cuda")
+    torch.cuda.synchronize()
+    print("done")
+""")
+
+
+def test_bad_index_values_stay_in_bounds(gpu_device, tmp_path):
+    """Unchecked bad values (group ids out of range, offsets past the end, masked_m > Mmax) never
+    read or write out of bounds: run under compute-sanitizer's memcheck where it is installed,
+    else plainly (a fault would still fail the run)."""
+    script = tmp_path / "bad_values.py"
+    script.write_text(_BAD_VALUES_SCRIPT)
+    cmd = [sys.executable, str(script)]
+    sanitizer = "compute-sanitizer"
+    from shutil import which
+
+    if which(sanitizer):
+        cmd = [sanitizer, "--tool", "memcheck", "--error-exitcode", "9"] + cmd
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and "done" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
