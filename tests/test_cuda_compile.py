@@ -395,8 +395,8 @@ def grouped_problem(kind, rows, groups, expected_m, n, k) -> GemmProblem:
 
 @pytest.mark.parametrize("case", GROUPED_SUITE, ids=lambda c: f"{c[0].value}-{c[1:]}")
 def test_grouped_configs(case):
-    """The grouped family takes every grouped kind; tiles at most 128 rows (a contiguous block is
-    one group), no clusters, shared memory fits."""
+    """The grouped family takes every grouped kind; contiguous tiles at most 128 rows (a padded
+    group's slot), no clusters, shared memory fits."""
     from fp8gemm.backends.cuda import family_for
 
     p = grouped_problem(*case)
@@ -404,6 +404,7 @@ def test_grouped_configs(case):
     assert fam is g.GROUPED and cuda_supports(p) is None
     cfg = fam.select_config(p, H200)
     assert cfg.block_m in g.GROUPED_BLOCK_M_CHOICES and cfg.num_multicast == 1
+    assert cfg.block_m <= 128 or p.kind is not GemmKind.CONTIGUOUS
     assert cfg.smem(p.k) <= H200.smem_per_block and 1 <= cfg.grid <= H200.num_sms
     assert cfg == fam.candidate_configs(p, H200)[0]
 

@@ -237,10 +237,19 @@ def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     return _config(best, k, facts, multicast, on_a)
 
 
-# NOTE: a contiguous block is one group's 128-row slot (CONTIGUOUS_M_ALIGNMENT): taller tiles
-# would mix groups. Offsets and masked tiles never cross a group either, and a group's last tile
-# is partial, so tall tiles waste more rows there: the grouped family tiles at most 128 rows.
-GROUPED_BLOCK_M_CHOICES = (64, 128)
+# NOTE: the grouped tiles never cross a group: a group's last tile is partial, and a contiguous
+# block that holds two groups (a layout padded to 128 rows, tiles of 256) runs once per group.
+# 256-row tiles (3-11 % faster per FLOP than 128 where both fill the waves alike) therefore need
+# long groups: offsets and masked from GROUPED_TALL_MIN_ROWS rows per group; contiguous only for
+# layouts whose every group's padded size is a multiple of 256 (not known on the host), so never.
+GROUPED_BLOCK_M_CHOICES = (64, 128, 256)
+GROUPED_TALL_MIN_ROWS = 2048
+
+
+def _grouped_block_ms(kind: GemmKind, rows_per_group: int) -> tuple[int, ...]:
+    if kind is GemmKind.CONTIGUOUS or rows_per_group < GROUPED_TALL_MIN_ROWS:
+        return (64, 128)
+    return GROUPED_BLOCK_M_CHOICES
 
 
 @functools.lru_cache(maxsize=4096)
@@ -249,9 +258,9 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
     # Contiguous / offsets: the rows of all groups tile as one M (groups end on tile boundaries
     # in the padded layout); masked: `groups` GEMMs of the expected rows each.
     if kind is GemmKind.MASKED:
-        cands = candidate_tiles(rows, n, k, facts, groups, GROUPED_BLOCK_M_CHOICES)
+        cands = candidate_tiles(rows, n, k, facts, groups, _grouped_block_ms(kind, rows))
     else:
-        cands = candidate_tiles(rows, n, k, facts, 1, GROUPED_BLOCK_M_CHOICES)
+        cands = candidate_tiles(rows, n, k, facts, 1, _grouped_block_ms(kind, rows // groups))
     if not cands:
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     return _config(min(cands, key=_rank), k, facts)
@@ -414,10 +423,12 @@ class _Sm90Family(KernelFamily):
     def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[Sm90Config]:
         """The chosen config first, then every other tile that fits, without multicast."""
         best = self.select_config(problem, facts)
-        block_ms = BLOCK_M_CHOICES if problem.kind is GemmKind.DENSE else GROUPED_BLOCK_M_CHOICES
-        rows, groups = problem.m, 1
+        rows, groups, per_group = problem.m, 1, problem.m // max(1, problem.groups)
         if problem.kind is GemmKind.MASKED:
             rows, groups = max(1, problem.expected_m), problem.groups
+            per_group = rows
+        block_ms = (BLOCK_M_CHOICES if problem.kind is GemmKind.DENSE
+                    else _grouped_block_ms(problem.kind, per_group))
         out = [best]
         for c in sorted(candidate_tiles(rows, problem.n, problem.k, facts, groups, block_ms),
                         key=_rank):

@@ -159,9 +159,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // --- producer: one thread issues every TMA load ---------------------------------------------
     warpgroup_reg_dealloc<kProducerRegs>();
     // NOTE: the first producer warp walks the scheduler (grouped layouts are read warp-wide);
-    // lane 0 issues every barrier operation and TMA load.
+    // lane 0 alone issues every barrier operation and TMA load, the other lanes wait for it at
+    // __syncwarp, so that the warp is converged at every warp-collective step of the walk.
     if (threadIdx.x / 32 == kNumMathThreads / 32) {
-      const bool issuer = lane == 0;
       const bool is_leader = kNumTMAMulticast == 1 || cluster_cta_rank() == 0;
       // NOTE: below BLOCK_M rows the host's A map has a box of M rows: TMA's zero fill of rows
       // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
@@ -170,40 +170,39 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::SMEM_SA;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
-        const int32_t m0 = tile.m0;
-        // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
-        const int32_t n0 = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
-        for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
-          mbar_wait(&empty_bar[stage], phase ^ 1);
-          if (!issuer) {
+        if (lane == 0) {
+          const int32_t m0 = tile.m0;
+          // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
+          const int32_t n0 = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
+          for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+            mbar_wait(&empty_bar[stage], phase ^ 1);
+            uint64_t* bar = &full_bar[stage];
+            mbar_arrive_expect_tx(bar, stage_tx_bytes);
+            const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
+            uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
+            uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
+            // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
+            // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
+            if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
+              if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
+            } else {
+              tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
+            }
+            if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
+              if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
+            } else {
+              tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
+            }
+            if constexpr (kKind == kKindMasked) {
+              tma_load_3d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb),
+                          static_cast<int32_t>(tile.group));
+            } else {
+              tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb));
+            }
             if (++stage == kNumStages) stage = 0, phase ^= 1;
-            continue;
           }
-          uint64_t* bar = &full_bar[stage];
-          mbar_arrive_expect_tx(bar, stage_tx_bytes);
-          const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
-          uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
-          uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
-          // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
-          // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
-          if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
-            if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
-          } else {
-            tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
-          }
-          if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
-            if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
-          } else {
-            tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
-          }
-          if constexpr (kKind == kKindMasked) {
-            tma_load_3d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb),
-                        static_cast<int32_t>(tile.group));
-          } else {
-            tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb));
-          }
-          if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
+        __syncwarp();
       }
     }
   } else {
@@ -298,6 +297,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               : smem_d + kNumDChunks * BLOCK_M * 128 + (row * kTailCols + (u - kNumDChunks * 8) * 8) * 2;
           st_global_v4(out + (static_cast<uint64_t>(t.m0 + row) * SHAPE_N + col) * 2, ld_shared_v4(src));
         }
+        __syncwarp();
         return;
       }
       // NOTE: TMA clips the store at M and N, so partial dense tiles need no masking.

@@ -71,20 +71,37 @@ struct TileScheduler {
   uint32_t next_tile;
   // Offsets, masked: the group whose tiles [group_tile0, group_tile0 + group_tiles) come next.
   uint32_t group, group_tile0, group_tiles, group_row0, group_rows;
+  // Contiguous: the groups of the first and last row of the next tile's block, loaded one tile
+  // ahead so that the common case (both the same group) costs no wait on global memory.
+  int32_t ahead_first, ahead_last;
   // Contiguous: blocks that hold rows of several groups (a layout not aligned to BLOCK_M) run
-  // once per further group after every tile's first group (second pass).
+  // once per further group and n-block after every tile's first group (second pass, which walks
+  // this CTA's share of the blocks).
   bool second_pass;
-  uint32_t extra_tile, extra_group, extra_last;
+  uint32_t extra_block, extra_group, extra_last, extra_n;
 
   __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
                                            uint32_t num_groups_)
       : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
         num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks), next_tile(blockIdx.x),
         group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
-        second_pass(false), extra_tile(0), extra_group(0), extra_last(0) {
+        ahead_first(-1), ahead_last(-1), second_pass(false), extra_block(0), extra_group(1),
+        extra_last(0), extra_n(0) {
     if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
       if (num_groups > 0) load_group(0);
     }
+    if constexpr (kKind == kKindContiguous) look_ahead();
+  }
+
+  // Contiguous: the first and last row groups of tile next_tile's block.
+  __device__ __forceinline__ void look_ahead() {
+    if (next_tile >= num_tiles) return;
+    uint32_t m_block, n_block;
+    tile_coords(next_tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+    const uint32_t m0 = m_block * BLOCK_M;
+    const uint32_t last = m0 + BLOCK_M < shape_m ? m0 + BLOCK_M - 1 : shape_m - 1;
+    ahead_first = row_group(layout, m0, shape_m, num_groups);
+    ahead_last = row_group(layout, last, shape_m, num_groups);
   }
 
   // (m_block, n_block) of tile `tile` of a band-rasterised grid of num_m_blocks x kNumNBlocks.
@@ -173,41 +190,59 @@ struct TileScheduler {
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
       return true;
     } else if constexpr (kKind == kKindContiguous) {
-      static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 128, "a contiguous block is one 128-row group");
+      static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 256, "whole rows per lane in a block scan");
       const uint32_t num_m_blocks = ceil_div(shape_m, BLOCK_M);
       uint32_t m_block, n_block;
       // First pass: every block's first group. A block of padding only is skipped: no loads,
       // no MMA, no stores.
       while (!second_pass) {
         if (next_tile >= num_tiles) {
-          second_pass = true, extra_tile = blockIdx.x, extra_group = 1, extra_last = 0;
+          second_pass = true, extra_block = blockIdx.x;
           break;
         }
         tile_coords(next_tile, num_m_blocks, m_block, n_block);
         next_tile += gridDim.x;
+        const int32_t first = ahead_first, last = ahead_last;
+        look_ahead();
+        t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
+        t.n_block = n_block, t.rows = BLOCK_M;
+        // NOTE: the rows of a group are consecutive (padding rows follow them), so a block whose
+        // first and last rows belong to one group holds only that group.
+        if (first >= 0 && first == last) {
+          t.group = static_cast<uint32_t>(first), t.full = true;
+          return true;
+        }
         const BlockGroups bg = block_groups(m_block * BLOCK_M);
         if (bg.last < 0) continue;
-        t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
-        t.n_block = n_block, t.group = static_cast<uint32_t>(bg.first), t.rows = BLOCK_M;
-        t.full = bg.uniform;
+        t.group = static_cast<uint32_t>(bg.first), t.full = bg.uniform;
         return true;
       }
-      // Second pass: the further groups of blocks that hold several, each under its row mask.
+      // Second pass: this CTA's blocks b = blockIdx.x + i * gridDim.x that hold several groups,
+      // each further group on every n-block under its row mask.
       while (true) {
         if (extra_group > extra_last) {
-          if (extra_tile >= num_tiles) return false;
-          tile_coords(extra_tile, num_m_blocks, m_block, n_block);
-          extra_tile += gridDim.x;
-          const BlockGroups bg = block_groups(m_block * BLOCK_M);
+          if (extra_block >= num_m_blocks) return false;
+          const uint32_t m0 = extra_block * BLOCK_M;
+          const uint32_t last = m0 + BLOCK_M < shape_m ? m0 + BLOCK_M - 1 : shape_m - 1;
+          const int32_t g0 = row_group(layout, m0, shape_m, num_groups);
+          extra_block += gridDim.x;
+          if (g0 >= 0 && g0 == row_group(layout, last, shape_m, num_groups)) continue;
+          const BlockGroups bg = block_groups(m0);
           if (bg.last <= bg.first) continue;
           extra_group = static_cast<uint32_t>(bg.first) + 1, extra_last = static_cast<uint32_t>(bg.last);
+          extra_n = 0;
+          if (!block_has_group(m0, static_cast<int32_t>(extra_group))) extra_n = kNumNBlocks;
         }
-        const uint32_t tile = extra_tile - gridDim.x;
-        tile_coords(tile, num_m_blocks, m_block, n_block);
-        const uint32_t g = extra_group++;
-        if (!block_has_group(m_block * BLOCK_M, static_cast<int32_t>(g))) continue;
-        t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
-        t.n_block = n_block, t.group = g, t.rows = BLOCK_M, t.full = false;
+        if (extra_n == kNumNBlocks) {
+          // This group is done (or absent): on to the block's next group that has rows here.
+          ++extra_group, extra_n = 0;
+          const uint32_t m0 = (extra_block - gridDim.x) * BLOCK_M;
+          if (extra_group <= extra_last && !block_has_group(m0, static_cast<int32_t>(extra_group)))
+            extra_n = kNumNBlocks;
+          continue;
+        }
+        t.m0 = t.sa_m = static_cast<int32_t>((extra_block - gridDim.x) * BLOCK_M);
+        t.n_block = extra_n++, t.group = extra_group, t.rows = BLOCK_M, t.full = false;
         return true;
       }
     } else {
