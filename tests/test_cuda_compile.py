@@ -405,7 +405,7 @@ def test_grouped_configs(case):
     cfg = fam.select_config(p, H200)
     assert cfg.block_m in g.GROUPED_BLOCK_M_CHOICES and cfg.num_multicast == 1
     assert cfg.block_m <= 128 or p.kind is not GemmKind.CONTIGUOUS
-    assert cfg.smem(p.k) <= H200.smem_per_block and 1 <= cfg.grid <= H200.num_sms
+    assert cfg.smem(p.k, p.kind) <= H200.smem_per_block and 1 <= cfg.grid <= H200.num_sms
     assert cfg == fam.candidate_configs(p, H200)[0]
 
 

@@ -25,7 +25,7 @@ from ..family import DeviceFacts, KernelFamily
 from .launch import kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
-           "smem_bytes", "max_stages", "num_threads", "tile_cost", "mma_efficiency", "use_two_accum",
+           "smem_bytes", "sa_pad", "sa_box", "max_stages", "num_threads", "tile_cost", "mma_efficiency", "use_two_accum",
            "kernel_source", "compile_kernel", "BLOCK_K", "BLOCK_N_CHOICES", "MAX_K"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
@@ -117,9 +117,22 @@ def num_threads(block_m: int) -> int:
     return 128 + (128 if block_m == 64 else 256)
 
 
-def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
+def sa_pad(kind: GemmKind) -> int:
+    """Sm90Fp8Gemm1d2dLayout::kSaPad: extra A-scale rows per stage (offsets tiles start at any
+    row, TMA boxes on 16 bytes)."""
+    return 4 if kind is GemmKind.OFFSETS else 0
+
+
+def sa_box(kind: GemmKind, block_m: int) -> int:
+    """Sm90Fp8Gemm1d2dLayout::kSaBox: rows of one A-scale TMA box."""
+    pad = sa_pad(kind)
+    return (128 if pad and block_m > 128 else block_m) + pad
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int,
+               kind: GemmKind = GemmKind.DENSE) -> int:
     """Sm90Fp8Gemm1d2dLayout::kSmemBytes: the kernel traps when launched with less."""
-    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4
+    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + (block_m + sa_pad(kind)) * 4
     sb = align(2 * ceil_div(k, BLOCK_K) * 4, 8)
     return 1024 + block_m * block_n * 2 + num_stages * per_stage + sb + 2 * num_stages * 8
 
@@ -141,9 +154,9 @@ class Sm90Config:
     def num_threads(self) -> int:
         return num_threads(self.block_m)
 
-    def smem(self, k: int) -> int:
-        """Dynamic shared memory of this config at K, bytes."""
-        return smem_bytes(self.block_m, self.block_n, self.num_stages, k)
+    def smem(self, k: int, kind: GemmKind = GemmKind.DENSE) -> int:
+        """Dynamic shared memory of this config for a GEMM of this kind at K, bytes."""
+        return smem_bytes(self.block_m, self.block_n, self.num_stages, k, kind)
 
     def __str__(self) -> str:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
@@ -152,10 +165,11 @@ class Sm90Config:
                 + (" accum=2" if self.two_accum else ""))
 
 
-def max_stages(block_m: int, block_n: int, k: int, smem_limit: int) -> int:
+def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
+               kind: GemmKind = GemmKind.DENSE) -> int:
     """The deepest pipeline of this tile that fits `smem_limit` bytes (0: none fits)."""
     for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
-        if smem_bytes(block_m, block_n, s, k) <= smem_limit:
+        if smem_bytes(block_m, block_n, s, k, kind) <= smem_limit:
             return s
     return 0
 
@@ -172,7 +186,8 @@ class Candidate:
 
 
 def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
-                    block_ms: tuple[int, ...] = BLOCK_M_CHOICES) -> list[Candidate]:
+                    block_ms: tuple[int, ...] = BLOCK_M_CHOICES,
+                    kind: GemmKind = GemmKind.DENSE) -> list[Candidate]:
     """Every tile shape that fits shared memory, with its modelled cost, for `groups` GEMMs of
     M = m rows each."""
     out = []
@@ -184,7 +199,7 @@ def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
                 continue  # wider than N: only zero columns
             if bm == 256 and bn not in BLOCK_N_CHOICES_256:
                 continue
-            stages = max_stages(bm, bn, k, facts.smem_per_block)
+            stages = max_stages(bm, bn, k, facts.smem_per_block, kind)
             if stages == 0:
                 continue
             tiles = groups * ceil_div(m, bm) * ceil_div(n, bn)
@@ -258,9 +273,9 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
     # Contiguous / offsets: the rows of all groups tile as one M (groups end on tile boundaries
     # in the padded layout); masked: `groups` GEMMs of the expected rows each.
     if kind is GemmKind.MASKED:
-        cands = candidate_tiles(rows, n, k, facts, groups, _grouped_block_ms(kind, rows))
+        cands = candidate_tiles(rows, n, k, facts, groups, _grouped_block_ms(kind, rows), kind)
     else:
-        cands = candidate_tiles(rows, n, k, facts, 1, _grouped_block_ms(kind, rows // groups))
+        cands = candidate_tiles(rows, n, k, facts, 1, _grouped_block_ms(kind, rows // groups), kind)
     if not cands:
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     return _config(min(cands, key=_rank), k, facts)
@@ -307,7 +322,7 @@ class Sm90Plan:
             if problem.kind is not GemmKind.DENSE or blocks % 2 or cfg.band_size % 2:
                 raise ValueError(f"config {cfg}: multicast needs a dense problem, an even block "
                                  f"count on the shared side and an even band")
-        smem = cfg.smem(problem.k)
+        smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg),
                                 (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
@@ -333,7 +348,8 @@ class Sm90Plan:
             map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb, self.groups),
                             (mp * 4, kb * mp * 4), (cfg.block_m, 1, 1))
         else:
-            map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb), (mp * 4,), (cfg.block_m, 1))
+            map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb), (mp * 4,),
+                            (sa_box(self.kind, cfg.block_m), 1))
         # Output: 64-column chunks with the 128-byte swizzle, then the BLOCK_N % 64 tail plain
         # (the kernel ignores a map it has no columns for).
         d_stride = (n * out.element_size(),)
@@ -430,7 +446,8 @@ class _Sm90Family(KernelFamily):
         block_ms = (BLOCK_M_CHOICES if problem.kind is GemmKind.DENSE
                     else _grouped_block_ms(problem.kind, per_group))
         out = [best]
-        for c in sorted(candidate_tiles(rows, problem.n, problem.k, facts, groups, block_ms),
+        for c in sorted(candidate_tiles(rows, problem.n, problem.k, facts, groups, block_ms,
+                                        problem.kind),
                         key=_rank):
             cfg = _config(c, problem.k, facts)
             if cfg not in out:

@@ -23,22 +23,38 @@ __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
   return (n & (~n + 1)) < 128 ? (n & (~n + 1)) : 128;
 }
 
-template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
+template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
+          uint32_t kNumStages>
 struct Sm90Fp8Gemm1d2dLayout {
   static constexpr uint32_t BLOCK_K = 128;
+  // A scales of a stage: BLOCK_M floats from row m0. TMA needs the box's start in the innermost
+  // dimension (rows of the column-major scales) on 16 bytes: offsets tiles start at any row, so
+  // they load from m0 rounded down to 4 rows, 4 floats more, and read from m0 % 4 on. A box is at
+  // most 256 elements: 256 + 4 rows are two boxes of 128 + 4, 128 rows apart.
+  static constexpr uint32_t kSaPad = kKind == kKindOffsets ? 4 : 0;
+  static constexpr uint32_t kSaLoads = kSaPad > 0 && BLOCK_M > 128 ? 2 : 1;
+  static constexpr uint32_t kSaBox = (kSaLoads == 2 ? 128 : BLOCK_M) + kSaPad;
+  static constexpr uint32_t kSaStage = BLOCK_M + kSaPad;  // floats per stage
   static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, BLOCK_K);
   // Shared memory, in carve-up order (every tile size is a multiple of 1024 bytes, so the TMA
   // destinations of the 128-byte swizzle stay 1024-byte aligned).
   static constexpr uint32_t SMEM_D = BLOCK_M * BLOCK_N * 2;
   static constexpr uint32_t SMEM_A = BLOCK_M * BLOCK_K;
   static constexpr uint32_t SMEM_B = BLOCK_N * BLOCK_K;
-  static constexpr uint32_t SMEM_SA = BLOCK_M * 4;
+  static constexpr uint32_t SMEM_SA = kSaStage * 4;
+  static constexpr uint32_t kSaTxBytes = kSaLoads * kSaBox * 4;
   static constexpr uint32_t SMEM_SB = ceil_div(2 * kNumKBlocks * 4, 8u) * 8;
   static constexpr uint32_t SMEM_BARRIERS = 2 * kNumStages * 8;
   // 1024 bytes of slack to align the dynamic shared-memory base.
   static constexpr uint32_t kSmemBytes =
       1024 + SMEM_D + kNumStages * (SMEM_A + SMEM_B + SMEM_SA) + SMEM_SB + SMEM_BARRIERS;
 };
+
+// Rows the A-scale load of a tile starts before its first row (Sm90Fp8Gemm1d2dLayout::kSaPad).
+template <uint32_t kKind>
+__device__ __forceinline__ uint32_t sa_shift_of(const Tile& t) {
+  return kKind == kKindOffsets ? static_cast<uint32_t>(t.sa_m) & 3u : 0u;
+}
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
@@ -53,7 +69,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const __grid_constant__ TmaDescriptor tmap_d,
                           const __grid_constant__ TmaDescriptor tmap_d_tail) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Layout = Sm90Fp8Gemm1d2dLayout<SHAPE_N, SHAPE_K, BLOCK_M, BLOCK_N, kNumStages>;
+  using Layout = Sm90Fp8Gemm1d2dLayout<kKind, SHAPE_N, SHAPE_K, BLOCK_M, BLOCK_N, kNumStages>;
   constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
   constexpr uint32_t WGMMA_M = 64, WGMMA_K = 32;
   constexpr uint32_t kNumMathThreads = sm90_num_math_threads<BLOCK_M>();
@@ -119,7 +135,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   uint8_t* smem_a = smem_d + Layout::SMEM_D;
   uint8_t* smem_b = smem_a + kNumStages * Layout::SMEM_A;
   float* smem_sa = reinterpret_cast<float*>(smem_b + kNumStages * Layout::SMEM_B);
-  float* smem_sb = smem_sa + kNumStages * BLOCK_M;  // [2][kNumKBlocks]
+  float* smem_sb = smem_sa + kNumStages * Layout::kSaStage;  // [2][kNumKBlocks]
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_sb) + Layout::SMEM_SB);
   uint64_t* empty_bar = full_bar + kNumStages;
 
@@ -167,7 +183,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
       // keep stale bytes; they only feed output rows that the TMA store clips.
       const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
-      const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::SMEM_SA;
+      const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         if (lane == 0) {
@@ -194,10 +210,14 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
             }
             if constexpr (kKind == kKindMasked) {
-              tma_load_3d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb),
+              tma_load_3d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb),
                           static_cast<int32_t>(tile.group));
             } else {
-              tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb));
+              const int32_t sa_m0 = tile.sa_m - static_cast<int32_t>(sa_shift_of<kKind>(tile));
+#pragma unroll
+              for (uint32_t j = 0; j < Layout::kSaLoads; ++j)
+                tma_load_2d(smem_sa + stage * Layout::kSaStage + j * 128, &tmap_sa, bar,
+                            sa_m0 + static_cast<int32_t>(j * 128), static_cast<int32_t>(kb));
             }
             if (++stage == kNumStages) stage = 0, phase ^= 1;
           }
@@ -215,6 +235,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // This thread's A scales in stage 0 (a stage's are BLOCK_M floats further): one per-thread
     // base, so each load is that register plus a warp-uniform offset.
     const float* sa_rows = smem_sa + r0;
+    uint32_t sa_off = 0;  // the tile's first row in its stage's A scales (sa_shift)
     // wgmma descriptors of stage 0: this warpgroup's A rows, and B. Another stage (wave) sits
     // whole multiples of 16 bytes further, added to the descriptor's 14-bit address field, which
     // cannot carry out: shared memory ends below 256 KB.
@@ -319,6 +340,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     if (has_tile) prefetch_sb(tile);
     while (has_tile) {
       const uint32_t n0 = tile.n_block * BLOCK_N;
+      sa_off = sa_shift_of<kKind>(tile);
       // Every math thread must be done reading smem_sb: without kTwoAccum the previous tile's
       // epilogue barriers see to that; with it, that epilogue comes later.
       if (kTwoAccum && has_prev) named_barrier_sync(1, kNumMathThreads);
@@ -398,8 +420,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         uint32_t held[2];  // stage of the k-block in flight in acc / acc1
         auto start = [&](float (&acc_)[kNumAccum], uint32_t slot, uint32_t kb) {
           mbar_wait(&full_bar[stage], phase);
-          sa0[slot] = sa_rows[stage * BLOCK_M];
-          sa1[slot] = sa_rows[stage * BLOCK_M + 8];
+          sa0[slot] = sa_rows[stage * Layout::kSaStage + sa_off];
+          sa1[slot] = sa_rows[stage * Layout::kSaStage + sa_off + 8];
           sb0[slot] = smem_sb[kb];
           sb1[slot] = smem_sb[kNumKBlocks + kb];
           issue(acc_, kb, 0);
@@ -442,8 +464,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
           for (uint32_t w = 0; w < kNumWaves; ++w) {
-            const float sa0 = sa_rows[stage * BLOCK_M + w * WAVE_M];
-            const float sa1 = sa_rows[stage * BLOCK_M + w * WAVE_M + 8];
+            const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
+            const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
             issue(acc, kb, w);
             wgmma_wait<0>();
             if (w + 1 == kNumWaves) release(stage);
