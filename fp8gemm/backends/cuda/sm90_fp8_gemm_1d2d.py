@@ -132,7 +132,8 @@ def sa_box(kind: GemmKind, block_m: int) -> int:
 def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int,
                kind: GemmKind = GemmKind.DENSE) -> int:
     """Sm90Fp8Gemm1d2dLayout::kSmemBytes: the kernel traps when launched with less."""
-    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + (block_m + sa_pad(kind)) * 4
+    # NOTE: a stage's A scales start on 128 bytes (TMA's shared-memory alignment).
+    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + align(block_m + sa_pad(kind), 32) * 4
     sb = align(2 * ceil_div(k, BLOCK_K) * 4, 8)
     return 1024 + block_m * block_n * 2 + num_stages * per_stage + sb + 2 * num_stages * 8
 

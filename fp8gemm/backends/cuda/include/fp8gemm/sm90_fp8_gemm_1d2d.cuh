@@ -34,7 +34,8 @@ struct Sm90Fp8Gemm1d2dLayout {
   static constexpr uint32_t kSaPad = kKind == kKindOffsets ? 4 : 0;
   static constexpr uint32_t kSaLoads = kSaPad > 0 && BLOCK_M > 128 ? 2 : 1;
   static constexpr uint32_t kSaBox = (kSaLoads == 2 ? 128 : BLOCK_M) + kSaPad;
-  static constexpr uint32_t kSaStage = BLOCK_M + kSaPad;  // floats per stage
+  // NOTE: TMA writes shared memory at 128-byte aligned addresses: a stage holds a multiple of 32.
+  static constexpr uint32_t kSaStage = ceil_div(BLOCK_M + kSaPad, 32u) * 32;  // floats per stage
   static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, BLOCK_K);
   // Shared memory, in carve-up order (every tile size is a multiple of 1024 bytes, so the TMA
   // destinations of the 128-byte swizzle stay 1024-byte aligned).
