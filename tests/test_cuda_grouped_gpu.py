@@ -251,7 +251,9 @@ def test_bad_index_values_stay_in_bounds(gpu_device, tmp_path):
     from shutil import which
 
     if which(sanitizer):
-        cmd = [sanitizer, "--tool", "memcheck", "--error-exitcode", "9"] + cmd
+        # NOTE: API errors (torch probes driver entry points) are not memory errors.
+        cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no",
+               "--error-exitcode", "9"] + cmd
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "done" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
