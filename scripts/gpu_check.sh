@@ -4,9 +4,9 @@
 #   FP8GEMM_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh
 #
 # Writes into $OUT (default /tmp/gpu_check_out): gpu_tests.log, bench.log, bench.json (the
-# DESIGN.md form), bench.md, bench.png. Each suite runs in its own process under its own time
-# limit, so a kernel fault or a hang in one loses only that suite; results are saved after every
-# measurement.
+# result-file form of fp8gemm/bench/report.py), bench.md, bench.png. Each suite runs in its own
+# process under its own time limit, so a kernel fault or a hang in one loses only that suite;
+# results are saved after every measurement.
 #
 # Environment (all optional):
 #   SUITES="deepseek-dense deepseek-grouped irregular"   suites to run (space or comma separated)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Hardware counters of the dense kernels on the GPU machine (Firecracker runtimes only: ncu reads
-# no counters under gVisor). Clocks are left alone (--clock-control none, the device README).
+# Hardware counters of one dense call per shape and impl (fp8gemm.bench's implementations), with
+# Nsight Compute. Clocks are left alone (--clock-control none): the kernels run at the clocks the
+# benchmark sees. Needs a machine whose runtime lets ncu read the counters.
 #
 #   OUT=/tmp/ncu SHAPES="4096x4096x7168 4096x7168x2048" IMPLS="fp8gemm-cuda cublas-tensor" \
 #       bash scripts/ncu_dense.sh

@@ -1,7 +1,7 @@
 """python -m fp8gemm.bench: fp8gemm's backends against cuBLAS and bf16 on a CUDA GPU.
 
-Every available fp8gemm backend (fp8gemm-cuda, fp8gemm-triton) and the peers of DESIGN.md
-section 6 (cublas-block, cublas-tensor, cublas-rowwise-grouped, torch-bf16) are timed on each
+Every available fp8gemm backend (fp8gemm-cuda, fp8gemm-triton) and the peers (cublas-block,
+cublas-tensor, cublas-rowwise-grouped, torch-bf16; see impls.py) are timed on each
 shape of the chosen suites; backends that cannot run are skipped with the reason shown. Prints
 one line per measurement, then markdown tables (detailed, then the summary with ratios over the
 baseline peer and geometric means) last.
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--impl", action="append", default=None, metavar="NAMES",
                    help="comma-separated implementations to run, may repeat (default: "
                    f"{','.join(DEFAULT_IMPLS)}; also: fp8gemm-reference, small shapes only)")
-    p.add_argument("--json", metavar="PATH", help="write the results in the DESIGN.md form")
+    p.add_argument("--json", metavar="PATH", help="write the results (the form of report.py)")
     p.add_argument("--markdown", metavar="PATH", help="write the markdown tables")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     p.add_argument("--quick", action="store_true",
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.runs is None:
         args.runs = MIN_DEVICE_RUNS if args.quick else _RUNS
     if args.runs < MIN_DEVICE_RUNS:
-        p.error(f"--runs must be at least {MIN_DEVICE_RUNS} (DESIGN.md section 6), got {args.runs}")
+        p.error(f"--runs must be at least {MIN_DEVICE_RUNS} (fewer make the median noisy), "
+                f"got {args.runs}")
     return args
 
 

@@ -1,6 +1,6 @@
 """What the benchmark runs: the inputs of a case, and one callable per implementation.
 
-Implementations (the `impl` names of DESIGN.md section 6):
+Implementations (the `impl` names of the result files):
 
 - fp8gemm-cuda, fp8gemm-triton, fp8gemm-reference: the public ops with `backend=` forced.
 - cublas-block: cuBLAS through PyTorch with 1x128 A scales and 128x128 B scales, the same

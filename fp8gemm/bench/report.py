@@ -1,12 +1,15 @@
-"""Result files and what is made from them: the JSON form of DESIGN.md section 6, markdown tables
-with ratios and geometric means, and a PNG plot.
+"""Result files and what is made from them: the JSON form below, markdown tables with ratios and
+geometric means, a PNG plot, the compact history of past runs and the BENCHMARKS.md page.
 
     {"meta": {"gpu", "clocks", "torch", "triton", "cuda", "commit", "date"},
      "rows": [{"suite", "op", "shape": {"m", "n", "k", "groups"}, "impl",
                "us", "eager_us", "tflops", "gbs", "diff"}]}
 
-`m` is M per group for grouped ops. Ratios are taken inside one file only: every figure is a
-ratio against a peer measured in the same run.
+`m` is M per group for grouped ops; `diff` is null when the output held NaN. Ratios are taken
+inside one file only: every figure is a ratio against a peer measured in the same run.
+
+The history (benchmarks/history.json) keeps one entry per past run: its date, commit, GPU, file
+name and geometric means, so a result file can leave the tree once a newer run replaces it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from .suites import BASELINE, Case
-from .timing import geomean
+from .timing import MIN_DEVICE_RUNS, geomean
 
 __all__ = ["META_KEYS", "ROW_KEYS", "SHAPE_KEYS", "IMPL_ORDER", "read_clocks", "make_meta",
            "is_wrong", "make_row", "make_doc", "validate_doc", "write_json", "load_json", "ratios",
-           "geomeans", "markdown", "summary_markdown", "plot"]
+           "geomeans", "method_text", "markdown", "summary_markdown", "HISTORY_KEYS",
+           "history_entry", "load_history", "write_history", "history_markdown", "page_markdown",
+           "plot"]
 
 META_KEYS = ("gpu", "clocks", "torch", "triton", "cuda", "commit", "date")
 ROW_KEYS = ("suite", "op", "shape", "impl", "us", "eager_us", "tflops", "gbs", "diff")
@@ -283,7 +288,8 @@ def _detailed(rows: list[dict], suite: str, op: str, indices: list[int], rat: di
                       f"× {base}", "µs / floor"], body, ["---", "---"] + ["---:"] * 7))
 
 
-# DESIGN.md section 5: a floor for small-M GEMMs on the H200, bytes / 4.25 TB/s + 4 us.
+# A floor for small-M GEMMs on the H200: bytes / 4.25 TB/s (its measured device-copy bandwidth,
+# read + write, at 2 GB) + 4 us (an almost-empty kernel timed by this method).
 _COPY_BYTES_PER_US = 4.25e6
 _EMPTY_KERNEL_US = 4.0
 
@@ -347,26 +353,30 @@ def summary_markdown(doc: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def method_text() -> str:
+    """How every figure of the tables was measured and what the columns mean."""
+    return (
+        f"Device µs: median of >= {MIN_DEVICE_RUNS} runs, CUDA events, L2 flushed (256 MB memset) "
+        "before each run, launch cost hidden behind a sleep kernel, the impls of a shape taking "
+        "turns run by run. Eager µs: 50 back-to-back calls, wall clock per call. TFLOPS and GB/s "
+        "use the problem's FLOPs and fewest bytes (fp8 A and B, fp32 scales, bf16 out, each once) "
+        "for every impl. diff: 1 - 2Σxy/Σ(x²+y²) against a float64 product of the dequantised "
+        "inputs (cublas-tensor and cublas-rowwise-grouped quantise per tensor / per row, so their "
+        "diff includes that quantisation error; torch-bf16 includes bf16 rounding). µs / floor "
+        "(M <= 128): time over bytes / 4.25 TB/s + 4 µs, the H200's copy bandwidth and an "
+        f"almost-empty kernel. WRONG: NaN, or diff above {_WRONG_EXACT:g} "
+        f"({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others). × = speed-up over the "
+        "baseline peer of the same run: "
+        + ", ".join(f"{op}: {impl}" for op, impl in BASELINE.items())
+        + ". Grouped shapes are G×M per group; masked groups are full (masked_m = Mmax).")
+
+
 def markdown(docs: list[tuple[str, dict]], title: str | None = None,
              notes: list[str] | None = None) -> str:
     """Every result file in full: its meta, detailed tables, then the summary (wide tables and
     geometric means) last. `docs` is [(name, doc)]."""
     out = [f"# {title}\n"] if title else []
-    out.append(
-        "Device µs: median of >= 30 runs, CUDA events, L2 flushed (256 MB memset) before each "
-        "run, launch cost hidden behind a sleep kernel; from commit eaae003 on, the impls of a "
-        "shape take turns run by run (earlier files timed one impl after the other). Eager µs: "
-        "50 back-to-back calls, wall "
-        "clock per call. TFLOPS and GB/s use the problem's FLOPs and fewest bytes (fp8 A and B, "
-        "fp32 scales, bf16 out, each once) for every impl. diff: 1 - 2Σxy/Σ(x²+y²) against a "
-        "float64 product of the dequantised inputs (cublas-tensor and cublas-rowwise-grouped "
-        "quantise per tensor / per row, so their diff includes that quantisation error; "
-        "torch-bf16 includes bf16 rounding). µs / floor (M <= 128): time over bytes / 4.25 TB/s "
-        "+ 4 µs, DESIGN.md section 5's floor (DeepGEMM: 1.31-1.86). WRONG: NaN, or diff above "
-        f"{_WRONG_EXACT:g} ({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others). "
-        "× = speed-up over the baseline peer of the same "
-        "run: " + ", ".join(f"{op}: {impl}" for op, impl in BASELINE.items()) + ". Grouped "
-        "shapes are G×M per group; masked groups are full (masked_m = Mmax).\n")
+    out.append(method_text() + "\n")
     for name, doc in docs:
         rows = doc["rows"]
         rat = ratios(rows)
@@ -376,6 +386,111 @@ def markdown(docs: list[tuple[str, dict]], title: str | None = None,
         if notes:
             out.append("#### Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
         out.append(f"### Summary: {name}\n\n" + summary_markdown(doc))
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The history of runs and the BENCHMARKS.md page.
+
+HISTORY_KEYS = ("date", "commit", "gpu", "file", "geomeans")
+# Geometric means the page's history table shows: every fp8gemm impl over all shapes, and the
+# DeepSeek dense suite per M range (decode and prefill sizes behave differently).
+_HISTORY_RANGED_SUITES = ("deepseek-dense",)
+
+
+def history_entry(name: str, doc: dict) -> dict:
+    """One run in the history: when, which commit, which GPU, the file it came from and its
+    geometric means, keyed "suite/op/impl/range" (a range only when it holds fewer shapes than
+    "all"; not the baselines, which are 1 by definition)."""
+    gm = geomeans(doc["rows"])
+    total = {(g["suite"], g["op"], g["impl"]): g["count"] for g in gm if g["range"] == "all"}
+    means = {f"{g['suite']}/{g['op']}/{g['impl']}/{g['range']}": round(g["geomean"], 4)
+             for g in gm if g["impl"] != BASELINE.get(g["op"]) and (g["range"] == "all" or g["count"] < total[(g["suite"], g["op"], g["impl"])])}
+    meta = doc["meta"]
+    return {"date": meta["date"], "commit": meta["commit"], "gpu": meta["gpu"], "file": name,
+            "geomeans": means}
+
+
+def load_history(path: str | os.PathLike) -> list[dict]:
+    """The entries of a history file; [] when there is none."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    runs = doc.get("runs") if isinstance(doc, dict) else None
+    if not isinstance(runs, list) or any(
+            not isinstance(e, dict) or set(e) != set(HISTORY_KEYS) for e in runs):
+        raise ValueError(f"{path}: a history file must be {{'runs': [{{{', '.join(HISTORY_KEYS)}}}]}}")
+    return runs
+
+
+def write_history(path: str | os.PathLike, entries: list[dict]) -> None:
+    """Oldest run first, one run per line; written atomically."""
+    entries = sorted(entries, key=lambda e: (str(e["date"]), e["file"]))
+    lines = [json.dumps({k: e[k] for k in HISTORY_KEYS}, ensure_ascii=False) for e in entries]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text('{"runs": [\n' + ",\n".join(lines) + "\n]}\n")
+    os.replace(tmp, path)
+
+
+def _history_columns(entries: list[dict]) -> list[tuple[str, str, str, str]]:
+    keys = {tuple(k.split("/")) for e in entries for k in e["geomeans"]}
+    cols = [k for k in keys if k[2].startswith("fp8gemm-")
+            and (k[3] == "all" or k[0] in _HISTORY_RANGED_SUITES)]
+    ranges = ("all", f"M<={_SMALL_M}", f"M>{_SMALL_M}")
+    return sorted(cols, key=lambda k: (_order(k[0], _SUITE_ORDER), _order(k[1], _OP_ORDER),
+                                       _order(k[2], IMPL_ORDER), _order(k[3], ranges)))
+
+
+def history_markdown(entries: list[dict]) -> str:
+    """Newest run first: date, commit, GPU and the geometric mean of each fp8gemm impl's
+    speed-up over its baseline peer."""
+    cols = _history_columns(entries)
+    head = ["date", "commit", "gpu"]
+    for suite, op, impl, rng in cols:
+        where = suite if op == "dense" else op
+        head.append(f"{where} {impl.removeprefix('fp8gemm-')}"
+                    + ("" if rng == "all" else f" {rng}"))
+    body = []
+    for e in sorted(entries, key=lambda e: (str(e["date"]), e["file"]), reverse=True):
+        line = [str(e["date"]).replace("T", " ")[:16], str(e["commit"])[:7], str(e["gpu"])]
+        for col in cols:
+            v = e["geomeans"].get("/".join(col))
+            line.append("—" if v is None else f"{v:.3f}")
+        body.append(line)
+    return _table(head, body, ["---"] * 3 + ["---:"] * len(cols))
+
+
+def page_markdown(current: list[tuple[str, dict, str | None]], history: list[dict],
+                  title: str = "fp8gemm benchmarks") -> str:
+    """BENCHMARKS.md. `current` is [(link to the result file, its doc, link to its plot or
+    None)], one per GPU; `history` the recorded runs (runs of `current` not recorded yet are
+    added). For each current run: its meta, plot, geometric means and the per-shape tables of
+    the DeepSeek suites; then the history table."""
+    out = [f"# {title}\n", method_text() + "\n"]
+    for link, doc, png in current:
+        name = Path(link).name
+        rows = doc["rows"]
+        rat = ratios(rows)
+        out.append(f"## {name}\n\nThe current run on {doc['meta']['gpu']}. Every measurement, "
+                   f"with eager µs, diff and µs / floor, is in [{name}]({link}); "
+                   f"`python -m fp8gemm.bench --from-json {link} --markdown FILE` tables them."
+                   "\n\n" + _meta_table(doc["meta"]) + "\n")
+        if png:
+            out.append(f"![speed-up over the baseline peer]({png})\n")
+        out.append("#### Geometric mean of the speed-up over the baseline peer\n\n"
+                   + _geomean_table(rows) + "\n")
+        for s, o, idx in _sections(rows):
+            if s.startswith("deepseek"):
+                out.append(_wide(rows, s, o, idx, rat) + "\n")
+    recorded = {e["file"] for e in history}
+    entries = list(history) + [history_entry(Path(link).name, doc) for link, doc, _ in current
+                               if Path(link).name not in recorded]
+    out.append("## History\n\nGeometric mean of each fp8gemm backend's speed-up over the "
+               "baseline peer of its own run, one line per run.\n\n"
+               + history_markdown(entries) + "\n")
     return "\n".join(out)
 
 

@@ -1,7 +1,6 @@
 """Benchmark suites: the shapes, with the arithmetic and byte counts each result is judged by.
 
-`deepseek-dense` and `deepseek-grouped` are the DeepSeek-V3 shapes DeepGEMM publishes (DESIGN.md
-section 6); `irregular` holds shapes no tile divides (M = 1, 37; N = 200; K = 320).
+`deepseek-dense` and `deepseek-grouped` are the DeepSeek-V3 shapes DeepGEMM publishes; `irregular` holds shapes no tile divides (M = 1, 37; N = 200; K = 320).
 """
 
 from __future__ import annotations

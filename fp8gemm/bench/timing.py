@@ -1,4 +1,4 @@
-"""Timing and statistics, as DESIGN.md section 6 says performance is measured.
+"""Timing and statistics: how every figure of the benchmark is measured.
 
 Device time: the median of >= 30 runs timed with CUDA events, the L2 flushed before each run by a
 256 MB memset, and the GPU kept busy (`torch.cuda._sleep`) from before the start event is recorded

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Time configs of a CUDA kernel family against its heuristic's choice and cuBLAS (Hopper GPU).
+
+    python scripts/cuda_tiles.py --shapes 4096x4096x7168 --variants base,block_m=256+block_n=128
+    python scripts/cuda_tiles.py --shapes 64x2112x7168,128x7168x2048 --sweep --json sweep.json
+
+A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE changes to it
+(`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
+heuristic's value, except those that follow from a changed field, unless they are given too: a
+changed block_m or block_n re-derives num_stages (the most that fit the device's shared memory,
+up to the most the family's candidates use) and two_accum (off); a changed block_m, block_n or
+num_multicast re-derives grid (a CTA per tile up to the SM count, a multiple of the cluster).
+--sweep adds every config of `candidate_configs`.
+
+Each config runs through the family's public `run`, is checked against the float64 product of
+the dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shape's configs
+and cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
+launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS and the
+speed-up over cuBLAS block-wise of the same run; a config the family refuses is reported, not
+timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8gemm import calc_diff  # noqa: E402
+from fp8gemm.backends.cuda import FAMILIES  # noqa: E402
+from fp8gemm.backends.family import DeviceFacts  # noqa: E402
+from fp8gemm.bench.impls import cublas_block_probe, make_data, make_impl, reference_output  # noqa: E402
+from fp8gemm.bench.suites import Case  # noqa: E402
+from fp8gemm.bench.timing import DeviceTimer, MIN_DEVICE_RUNS, eager_time_us, geomean, median  # noqa: E402
+from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E402
+
+M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
+TILE_FIELDS = ("block_m", "block_n")  # num_stages and two_accum follow from these
+GRID_FIELDS = ("block_m", "block_n", "num_multicast")  # grid follows from these
+MAX_DIFF = 1e-5  # bf16 output: the library's bound for this recipe
+
+
+def dense_problem(m: int, n: int, k: int) -> GemmProblem:
+    """A dense e4m3 problem, A in 1x128 groups, B in 128x128 blocks, bf16 out."""
+    e4m3 = torch.float8_e4m3fn
+    return GemmProblem(GemmKind.DENSE, m, n, k, 1, e4m3, e4m3, Recipe.GROUP, Recipe.BLOCK,
+                       torch.bfloat16)
+
+
+def parse_variant(spec: str, cfg_type: type) -> dict:
+    """'block_m=256+two_accum=1' -> {'block_m': 256, 'two_accum': True}; 'base' -> {}."""
+    if spec == "base":
+        return {}
+    types = {f.name: f.type for f in dataclasses.fields(cfg_type)}
+    changes = {}
+    for part in spec.split("+"):
+        name, eq, value = part.partition("=")
+        if not eq or name not in types:
+            raise ValueError(f"variant part must be FIELD=VALUE with FIELD one of "
+                             f"{', '.join(types)}, got {part!r}")
+        is_bool = types[name] in (bool, "bool")
+        if is_bool and value not in ("0", "1"):
+            raise ValueError(f"{name} takes 0 or 1, got {value!r}")
+        changes[name] = value == "1" if is_bool else int(value)
+    return changes
+
+
+def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_stages: int):
+    """`base` with `changes`, and the fields that follow from a changed tile re-derived (see the
+    module docstring). Returns None when no stage count fits shared memory."""
+    cfg = dataclasses.replace(base, **changes)
+    tile_changed = any(f in changes for f in TILE_FIELDS)
+    if tile_changed and "two_accum" not in changes:
+        cfg = dataclasses.replace(cfg, two_accum=False)
+    if any(f in changes for f in GRID_FIELDS) and "grid" not in changes:
+        tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
+        grid = min(facts.num_sms, tiles)
+        cfg = dataclasses.replace(cfg, grid=max(grid - grid % cfg.num_multicast, cfg.num_multicast))
+    if tile_changed and "num_stages" not in changes:
+        fits = [s for s in range(max_stages, 0, -1)
+                if dataclasses.replace(cfg, num_stages=s).smem <= facts.smem_per_block]
+        if not fits:
+            return None
+        cfg = dataclasses.replace(cfg, num_stages=fits[0])
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="sm90_fp8_gemm_1d2d",
+                    help=f"one of {', '.join(f.name for f in FAMILIES)}")
+    ap.add_argument("--shapes", default=M4096, help="comma-separated MxNxK")
+    ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
+    ap.add_argument("--sweep", action="store_true", help="also every candidate config")
+    ap.add_argument("--runs", type=int, default=MIN_DEVICE_RUNS)
+    ap.add_argument("--json", default="", help="write every row here")
+    args = ap.parse_args(argv)
+    fam = {f.name: f for f in FAMILIES}.get(args.family)
+    if fam is None:
+        ap.error(f"--family must be one of {', '.join(f.name for f in FAMILIES)}")
+    specs = args.variants.split(",")
+    changes = {spec: parse_variant(spec, fam.Config) for spec in specs}
+    dev = torch.device("cuda", torch.cuda.current_device())
+    facts = DeviceFacts.of(dev)
+    timer = DeviceTimer(dev)
+    block_way, _ = cublas_block_probe(dev)  # the bench's way of calling cuBLAS block-wise
+    rows = []
+    for shape in args.shapes.split(","):
+        m, n, k = (int(v) for v in shape.split("x"))
+        problem = dense_problem(m, n, k)
+        why = fam.supports(problem)
+        if why is not None:
+            print(f"{shape}: {fam.name} does not run it: {why}", flush=True)
+            continue
+        data = make_data(Case("tiles", "dense", m, n, k), dev)
+        ref = reference_output(data)
+        base = fam.select_config(problem, facts)
+        candidates = fam.candidate_configs(problem, facts)
+        max_stages = max(c.num_stages for c in candidates + [base])
+        configs = {}  # name -> config, each config once
+        for spec in specs:
+            cfg = derive(base, changes[spec], problem, facts, max_stages)
+            if cfg is None:
+                print(f"{shape} {spec}: no stage count fits {facts.smem_per_block} bytes", flush=True)
+            elif cfg not in configs.values():
+                configs[spec] = cfg
+        if args.sweep:
+            for i, cfg in enumerate(candidates):
+                if cfg not in configs.values():
+                    configs[f"candidate{i}"] = cfg
+        calls = {}
+        for name, cfg in configs.items():
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+
+            def fn(cfg=cfg, out=out):
+                fam.run(cfg, problem, data.a, data.sa, data.b, data.sb, out)
+
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except (ValueError, RuntimeError) as e:
+                print(f"{shape} {name}: refused: {e}  ({cfg})", flush=True)
+                continue
+            diff = calc_diff(out, ref)
+            if not diff < MAX_DIFF:
+                print(f"{shape} {name}: WRONG, diff {diff:.2e}  ({cfg})", flush=True)
+                continue
+            calls[name] = fn
+        calls["cublas-block"] = make_impl("cublas-block", data, block_way).fn
+        names = list(calls)
+        times = timer.time_interleaved_us(
+            [(calls[x], eager_time_us(calls[x], dev).host_us) for x in names], args.runs)
+        us = {x: median(t) for x, t in zip(names, times)}
+        for x in names:
+            speedup = us["cublas-block"] / us[x]
+            cfg = configs.get(x)
+            print(f"{shape:>18} {x:>24} {us[x]:9.1f} us {2 * m * n * k / us[x] / 1e6:6.0f} "
+                  f"TFLOPS {speedup:5.2f}x  {cfg if cfg is not None else ''}", flush=True)
+            rows.append({"shape": shape, "variant": x, "us": us[x], "x_cublas_block": speedup,
+                         "config": None if cfg is None else dataclasses.asdict(cfg)})
+        del data, ref
+        torch.cuda.empty_cache()
+    print("geometric mean of the speed-up over cuBLAS block-wise, over the shapes each ran:")
+    for x in dict.fromkeys(r["variant"] for r in rows):
+        xs = [r["x_cublas_block"] for r in rows if r["variant"] == x]
+        print(f"  {x:>24} {geomean(xs):.3f} ({len(xs)} shapes)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
