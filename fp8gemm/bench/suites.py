@@ -146,10 +146,12 @@ class Case:
         if self.op in ("dense", "wgrad"):
             return f"{self.m}x{self.n}x{self.k}"
         if self.op == "k_grouped_wgrad":
-            return f"{self.groups}x{self.k} tokens, {self.m}x{self.n}"
+            mean = "mean " if len(set(self.group_sizes)) > 1 else ""
+            return f"{self.groups}x{mean}{self.k} tokens, {self.m}x{self.n}"
         if self.op == "moe_layer":
             return f"{self.m} tokens, {self.groups} experts {self.n}x{self.k}"
-        return f"{self.groups}x{self.m}, {self.n}x{self.k}"
+        mean = "mean " if len(set(self.group_sizes)) > 1 else ""
+        return f"{self.groups}x{mean}{self.m}, {self.n}x{self.k}"
 
     def __str__(self) -> str:
         return f"{self.suite}/{self.op} {self.label}"
