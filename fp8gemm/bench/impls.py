@@ -388,8 +388,9 @@ def _bf16_operands(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
 def _problem(data: CaseData) -> GemmProblem:
     c = data.case
     if c.op in ("wgrad", "k_grouped_wgrad"):
-        return GemmProblem(GemmKind.DENSE, c.m, c.n, max(c.group_sizes + (c.k,)), 1, _E4M3,
-                           _E4M3, Recipe.GROUP, Recipe.GROUP, torch.float32, has_c=True)
+        k = max(c.group_sizes) if c.op == "k_grouped_wgrad" else c.k  # (the loop's longest K)
+        return GemmProblem(GemmKind.DENSE, c.m, c.n, k, 1, _E4M3, _E4M3, Recipe.GROUP,
+                           Recipe.GROUP, torch.float32, has_c=True)
     kind = {"dense": GemmKind.DENSE, "contiguous": GemmKind.CONTIGUOUS,
             "offsets": GemmKind.OFFSETS, "masked": GemmKind.MASKED}[c.op]
     rows = c.mmax if c.op == "masked" else data.a.shape[0]
@@ -577,18 +578,22 @@ def _cublas_block(data: CaseData, way: str | None = None) -> Impl:
 
 
 # How cuBLAS is called with 1x128 scales on both operands (wgrad), tried on a small problem in
-# this order (the first right one is used). mat_b = B^T [K, N]: its scales are [K/128, N]
-# row-major, i.e. B's [N, K/128] column-major.
-WGRAD_BLOCK_WAYS = ("F.scaled_mm, 1x128 x 1x128", "torch._scaled_mm (v1), 1x128 x 1x128")
+# this order (the first right one is used; bf16 out only where no fp32 way runs, and then the
+# note says so). mat_b = B^T [K, N]: its scales are [K/128, N] row-major, i.e. B's [N, K/128]
+# column-major.
+WGRAD_BLOCK_WAYS = ("F.scaled_mm, 1x128 x 1x128, fp32 out",
+                    "torch._scaled_mm (v1), 1x128 x 1x128, fp32 out",
+                    "F.scaled_mm, 1x128 x 1x128, bf16 out")
 _WGRAD_PROBE = (256, 384, 640)  # M, N, K: K/128 = 5, not a multiple of 4
 
 
-def _wgrad_mm(way: str) -> Callable:
+def _wgrad_mm(way: str) -> tuple[Callable, Callable]:
     """(prepare, mm): prepare(a [M, K], sa [M, K/128], b [N, K], sb [N, K/128]) gives the
     operands as cuBLAS takes them (scales in any layout; run it outside the timing), and
-    mm(*prepared) is fp32 a . b^T."""
+    mm(*prepared) is a . b^T."""
     if way.startswith("F.scaled_mm") and not hasattr(F, "scaled_mm"):
         raise Skip("torch.nn.functional.scaled_mm is missing")
+    dtype = torch.float32 if way.endswith("fp32 out") else torch.bfloat16
 
     def prepare(a, sa, b, sb):
         return a, b.t(), _block_scale_a(sa), _block_scale_a(sb).t()
@@ -598,10 +603,10 @@ def _wgrad_mm(way: str) -> Callable:
 
         def mm(a, bt, sa, sbt):
             return F.scaled_mm(a, bt, sa, st.BlockWise1x128, sbt, st.BlockWise1x128,
-                               output_dtype=torch.float32)
+                               output_dtype=dtype)
     else:
         def mm(a, bt, sa, sbt):
-            return torch._scaled_mm(a, bt, sa, sbt, out_dtype=torch.float32)
+            return torch._scaled_mm(a, bt, sa, sbt, out_dtype=dtype)
     return prepare, mm
 
 
@@ -658,7 +663,7 @@ def _cublas_wgrad(data: CaseData) -> Impl:
     def fn():
         holder[0] = mm(*args)
 
-    return Impl("cublas-block", fn, lambda: holder[0], note=f"{way}, fp32 out")
+    return Impl("cublas-block", fn, lambda: holder[0], note=way)
 
 
 def _cublas_block_loop(data: CaseData) -> Impl:
@@ -677,7 +682,7 @@ def _cublas_block_loop(data: CaseData) -> Impl:
             holder[g] = mm(*args)
 
     return Impl("cublas-block-loop", fn, lambda: torch.stack(holder),
-                note=f"{way}, fp32 out, one call per expert")
+                note=f"{way}, one call per expert")
 
 
 def _cublas_tensor(data: CaseData) -> Impl:
