@@ -83,7 +83,7 @@ def test_irregular_suite_has_awkward_shapes():
 
 
 def test_all_suite_and_unknown_suite():
-    assert len(suites.suite_cases("all")) == 18 + 10 + 24
+    assert len(suites.suite_cases("all")) == 18 + 10 + 24 + 84 + 20 + 14 + 2
     assert suites.suite_cases("deepseek-dense", quick=True) == suites.suite_cases("deepseek-dense")
     with pytest.raises(ValueError, match="suite must be one of"):
         suites.suite_cases("nope")
@@ -163,7 +163,7 @@ def test_validate_rejects_other_forms(breakage):
     elif breakage == "missing_meta":
         del doc["meta"]["clocks"]
     elif breakage == "bad_impl":
-        doc["rows"][0]["impl"] = "deepgemm"
+        doc["rows"][0]["impl"] = "deep-gemm"
     elif breakage == "zero_us":
         doc["rows"][0]["us"] = 0
     elif breakage == "shape_str":
@@ -308,8 +308,9 @@ def test_parse_args_impls_and_runs():
     assert a.impls == ["cublas-block", "torch-bf16", "fp8gemm-reference"]
     assert parse_args([]).runs == 100 and parse_args(["--quick"]).runs == 30
     assert parse_args([]).impls == list(impls.DEFAULT_IMPLS)
+    assert parse_args(["--impl", "deepgemm"]).impls == ["deepgemm"]
     with pytest.raises(SystemExit):
-        parse_args(["--impl", "deepgemm"])
+        parse_args(["--impl", "deep-gemm"])
     with pytest.raises(SystemExit):
         parse_args(["--runs", "10"])
 
@@ -353,7 +354,7 @@ class _StandInTimer:
 
     def time_interleaved_us(self, calls, runs=30):
         out = []
-        for fn, host_us in calls:
+        for fn, host_us, _ in calls:
             fn()
             out.append([host_us] * runs)
         return out
@@ -387,10 +388,12 @@ def test_reference_output_is_float64_of_dequantised_inputs():
     from fp8gemm.backends.reference import dequantize
     from fp8gemm.problem import Recipe
 
-    g1 = (dequantize(data.a[16:], data.sa[16:], Recipe.GROUP, torch.float64)
+    g1 = (dequantize(data.a_rows[16:], data.sa_rows[16:], Recipe.GROUP, torch.float64)
           @ dequantize(data.b[1], data.sb[1], Recipe.BLOCK, torch.float64).T)
     assert torch.allclose(ref[16:], g1)
-    assert data.m_indices.tolist() == [0] * 16 + [1] * 16
+    # each group padded to 128 rows, padding rows -1
+    assert data.m_indices.tolist() == [0] * 16 + [-1] * 112 + [1] * 16 + [-1] * 112
+    assert data.rows.tolist() == list(range(16)) + list(range(128, 144))
     assert math.isfinite(float(ref.abs().sum())) and ref.abs().sum() > 0
 
 
@@ -400,3 +403,215 @@ def test_wrong_results_are_marked():
     assert [report.is_wrong(r) for r in rows] == [True, False, False, True]
     text = report.summary_markdown(report.make_doc(META, rows))
     assert "25.0 (1.00×) WRONG" in text and "20.0 (1.25×) |" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# The suites for the kernel issues: skewed experts, the M sweep, backward, the MoE layer
+
+
+def test_skewed_sizes_are_deterministic_skewed_and_sum_right():
+    for g in (8, 16, 32):
+        sizes = suites.skewed_sizes(32768, g)
+        assert len(sizes) == g and sum(sizes) == 32768
+        assert sizes == suites.skewed_sizes(32768, g)  # same seed, same sizes
+        assert max(sizes) > 2.5 * 32768 / g > 2.5 * min(sizes)  # skewed, not near-equal
+    assert suites.skewed_sizes(1024, 8) != suites.skewed_sizes(1024, 8, seed=7)
+    ks = suites.skewed_sizes(32768, 8, unit=128)
+    assert sum(ks) == 32768 and all(k % 128 == 0 for k in ks)
+    with pytest.raises(ValueError, match="multiple of unit"):
+        suites.skewed_sizes(1000, 4, unit=128)
+
+
+def test_skewed_suite_is_deterministic_with_matching_rows():
+    cases = suites.suite_cases("moe-skewed")
+    again = suites.suite_cases("moe-skewed")
+    assert cases == again
+    by = {(c.op, c.groups, c.n, c.k): c for c in cases}
+    for g in (8, 16, 32):
+        for n, k in ((4096, 7168), (7168, 2048)):
+            cont, offs, masked = (by[(op, g, n, k)] for op in ("contiguous", "offsets", "masked"))
+            assert cont.sizes == offs.sizes and sum(cont.sizes) == 32768  # the grouped suite's
+            assert cont.m * g == 32768 and cont.flops == offs.flops
+            assert sum(masked.sizes) == 1024 and masked.m == 1024 // g  # expected_m = mean
+            assert len(set(masked.sizes)) > 1 and masked.mmax % 128 == 0
+            assert masked.mmax >= max(masked.sizes)
+    kg = [c for c in cases if c.op == "k_grouped_wgrad"]
+    assert [(c.m, c.n, c.groups) for c in kg] == [(4096, 7168, 8), (7168, 2048, 8)]
+    assert all(sum(c.sizes) == 8 * 4096 and len(set(c.sizes)) > 1 for c in kg)
+    with pytest.raises(ValueError, match="sizes must be"):
+        Case("t", "contiguous", 10, 16, 16, 2, (5, 6))
+
+
+def test_m_sweep_and_backward_and_layer_suites():
+    sweep = suites.suite_cases("m-sweep")
+    nk = {(c.n, c.k) for c in sweep}
+    dense_nk = [(c.n, c.k) for c in suites.suite_cases("deepseek-dense")][:6]
+    assert nk == set(dense_nk) and len(dense_nk) == 6
+    assert sorted({c.m for c in sweep}) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192,
+                                             224, 256]
+    assert all(c.op == "dense" for c in sweep)
+    quick = suites.suite_cases("m-sweep", quick=True)
+    assert 0 < len(quick) < len(sweep) and set(quick) <= set(sweep)
+    back = suites.suite_cases("deepseek-backward")
+    wgrad = [(c.m, c.n, c.k) for c in back if c.op == "wgrad"]
+    assert wgrad == [(n, k, t) for t in (4096, 1000) for n, k in dense_nk]
+    kg = [c for c in back if c.op == "k_grouped_wgrad"]
+    assert [(c.m, c.n, c.k, c.groups, c.group_sizes) for c in kg] == [
+        (4096, 7168, 4096, 8, (4096,) * 8), (7168, 2048, 4096, 8, (4096,) * 8)]
+    layer = suites.suite_cases("moe-layer")
+    assert [(c.m, c.n, c.k, c.groups) for c in layer] == [(4096, 7168, 2048, 32),
+                                                          (128, 7168, 2048, 32)]
+
+
+def test_counts_of_the_new_ops():
+    w = Case("t", "wgrad", 2112, 7168, 1000)
+    kb = 8  # ceil(1000 / 128)
+    assert w.flops == 2 * 2112 * 7168 * 1000 and w.label == "2112x7168x1000"
+    assert w.min_bytes == (2112 + 7168) * (1000 + 4 * kb) + 4 * 2112 * 7168
+    kg = Case("t", "k_grouped_wgrad", 256, 512, 192, 2, (128, 256))
+    assert kg.flops == 2 * 256 * 512 * 384
+    assert kg.min_bytes == (256 + 512) * (384 + 4 * 3) + 2 * 4 * 256 * 512
+    layer = suites.suite_cases("moe-layer")[0]
+    assert layer.flops == 2 * 4096 * 3 * 7168 * 2048  # tokens * 8 of 256 experts * 32 local
+    assert layer.min_bytes > 32 * 3 * 7168 * 2048  # every expert's fp8 weights
+    r = report.make_row("m-sweep", "dense", {"m": 256, "n": 2112, "k": 7168, "groups": 1},
+                        "deepgemm", 20.0, 30.0, 1.0, 1.0, 1e-6)
+    floor = Case("m-sweep", "dense", 256, 2112, 7168).min_bytes / 4.25e6 + 4.0
+    assert report._floor_us(r) == pytest.approx(floor)  # the floor at every M of the sweep
+    assert report._floor_us(dict(r, suite="deepseek-dense")) is None
+
+
+def test_contiguous_and_offsets_data_share_rows():
+    sizes = (5, 130, 0, 65)
+    cont = impls.make_data(Case("t", "contiguous", 50, 24, 160, 4, sizes), torch.device("cpu"))
+    offs = impls.make_data(Case("t", "offsets", 50, 24, 160, 4, sizes), torch.device("cpu"))
+    assert offs.a.shape == (200, 160) and offs.offsets.tolist() == [0, 5, 135, 135, 200]
+    assert cont.a.shape == (128 + 256 + 0 + 128, 160)
+    u8 = torch.uint8
+    assert torch.equal(cont.a[cont.rows].view(u8), offs.a.view(u8))  # the same data rows
+    assert torch.equal(cont.sa[cont.rows], offs.sa)
+    pad = torch.ones(cont.a.shape[0], dtype=torch.bool)
+    pad[cont.rows] = False
+    assert (cont.m_indices[pad] == -1).all() and not cont.a[pad].view(u8).any()
+    assert cont.m_indices[cont.rows].tolist() == [0] * 5 + [1] * 130 + [3] * 65
+    assert torch.equal(impls.reference_output(cont), impls.reference_output(offs))
+    masked = impls.make_data(Case("t", "masked", 5, 24, 160, 3, (1, 9, 5)), torch.device("cpu"))
+    assert masked.a.shape == (3, 128, 160) and masked.masked_m.tolist() == [1, 9, 5]
+    assert impls.reference_output(masked).shape == (15, 24)
+    out = torch.arange(3 * 128 * 2, dtype=torch.float32).reshape(3, 128, 2)
+    assert masked.data_rows(out).tolist() == (out[0, :1].tolist() + out[1, :9].tolist()
+                                              + out[2, :5].tolist())
+
+
+def test_deepgemm_skips_cleanly_when_absent(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import deep_gemm raises ImportError
+    cpu = torch.device("cpu")
+    for case in (Case("t", "dense", 64, 256, 256), Case("t", "wgrad", 128, 256, 256),
+                 Case("t", "masked", 64, 256, 256, 2)):
+        with pytest.raises(impls.Skip, match="cannot import deep_gemm.*PYTHONPATH"):
+            impls.make_impl("deepgemm", impls.make_data(case, cpu))
+    assert not impls.applies("deepgemm", "offsets")
+    assert "deepgemm" in impls.DEFAULT_IMPLS and "cublas-block-loop" in impls.DEFAULT_IMPLS
+
+
+def test_deepgemm_calls_match_its_api():
+    """The calls made are functions of DeepGEMM's package, with the argument order used (runs
+    where `import deep_gemm` works: its directory on PYTHONPATH)."""
+    import ast
+    import inspect
+
+    try:
+        import deep_gemm
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"deep_gemm is not importable here ({type(e).__name__})")
+    src = (ROOT / "fp8gemm" / "bench" / "impls.py").read_text()
+    used = {n.attr for n in ast.walk(ast.parse(src))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "dg"}
+    assert used == {"gemm_fp8_fp8_bf16_nt", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
+                    "m_grouped_gemm_fp8_fp8_bf16_nt_masked", "wgrad_gemm_fp8_fp8_fp32_nt",
+                    "k_grouped_wgrad_gemm_fp8_fp8_fp32_nt", "get_col_major_tma_aligned_tensor"}
+    params = {name: list(inspect.signature(getattr(deep_gemm, name)).parameters)
+              for name in used}
+    assert params["m_grouped_gemm_fp8_fp8_bf16_nt_masked"][-2:] == ["masked_m", "expected_m"]
+    assert params["m_grouped_gemm_fp8_fp8_bf16_nt_contiguous"][-1] == "m_indices"
+    assert len(params["k_grouped_wgrad_gemm_fp8_fp8_fp32_nt"]) == 4
+
+
+class _BusyRecorder(_StandInTimer):
+    def __init__(self):
+        self.calls = []
+
+    def time_interleaved_us(self, calls, runs=30):
+        self.calls += list(calls)
+        return super().time_interleaved_us(calls, runs)
+
+
+def test_runner_new_ops_on_cpu():
+    cpu = torch.device("cpu")
+    sizes = suites.skewed_sizes(300, 3)
+    cases = [Case("moe-skewed", "contiguous", 100, 128, 256, 3, sizes),
+             Case("moe-skewed", "offsets", 100, 128, 256, 3, sizes),
+             Case("moe-skewed", "masked", 20, 128, 256, 3, suites.skewed_sizes(60, 3)),
+             Case("deepseek-backward", "wgrad", 128, 256, 1000),
+             Case("moe-skewed", "k_grouped_wgrad", 64, 128, 256, 2, (128, 384))]
+    timer = _BusyRecorder()
+    res = run_cases(cases, ["fp8gemm-reference", "torch-bf16", "cublas-block",
+                            "cublas-block-loop", "deepgemm"], cpu, 30, timer=timer,
+                    log=lambda s: None)
+    assert res.aborted is None
+    got = {(r["op"], r["impl"]): r for r in res.rows}
+    assert set(got) == {("contiguous", "fp8gemm-reference"), ("contiguous", "torch-bf16"),
+                        ("offsets", "fp8gemm-reference"), ("offsets", "torch-bf16"),
+                        ("masked", "fp8gemm-reference"), ("masked", "torch-bf16"),
+                        ("wgrad", "fp8gemm-reference"), ("k_grouped_wgrad", "fp8gemm-reference")}
+    for (op, impl), r in got.items():
+        assert r["diff"] is not None and r["diff"] < (1e-5 if impl.startswith("fp8gemm") else 1e-4)
+    assert got[("masked", "torch-bf16")]["shape"] == {"m": 20, "n": 128, "k": 256, "groups": 3}
+    assert got[("k_grouped_wgrad", "fp8gemm-reference")]["shape"]["k"] == 256
+    skipped = {(case.split("/")[1].split()[0], impl): why for case, impl, why in res.skips}
+    assert "K % 16" in skipped[("wgrad", "cublas-block")]
+    assert "sm_90" in skipped[("k_grouped_wgrad", "cublas-block-loop")]
+    assert all("cannot import deep_gemm" in why for (_, impl), why in skipped.items()
+               if impl == "deepgemm") or "deep_gemm" in sys.modules
+    assert any("a loop of fp8_gemm_nt" in n for n in res.notes)  # said honestly
+    doc = report.make_doc(META, res.rows)
+    report.validate_doc(doc)
+    text = report.markdown([("cpu", doc)])
+    assert "moe-skewed / offsets" in text and "128x256x1000" in text
+    assert all(busy >= 0 for _, _, busy in timer.calls)
+
+
+def test_moe_layer_impls_on_cpu():
+    """A small layer (hidden 256, width 128, 2 local experts of 16): fp8gemm's Fp8MoE and the
+    bf16 layer against the float64 layer on the dequantised weights, prefill and decode."""
+    cpu = torch.device("cpu")
+    for tokens in (16, 200):  # decode (masked layout) and prefill (contiguous)
+        case = Case("moe-layer", "moe_layer", tokens, 256, 128, 2)
+        data = impls.make_data(case, cpu)
+        ref = impls.reference_output(data)
+        assert ref.shape == (tokens, 256) and ref.abs().sum() > 0
+        from fp8gemm.quant import calc_diff
+
+        for name, limit in (("fp8gemm-reference", 5e-3), ("torch-bf16", 1e-4)):
+            made = impls.make_impl(name, data)
+            diff = calc_diff(made.output(), ref)
+            assert diff < limit, (name, tokens, diff)
+            assert "GEMMs" in made.parts
+            for part in made.parts.values():
+                part()
+        made.fn()
+        assert calc_diff(made.output(), ref) < 1e-4  # a second call gives the same layer
+    r = report.make_row("moe-layer", "moe_layer", case.shape, "fp8gemm-cuda", 900.0, 950.0,
+                        1.0, 1.0, 2e-3)
+    assert not report.is_wrong(r)  # the layer's fp8 activations are within the loose limit
+
+
+def test_impl_outputs_hold_only_data_rows_for_deepgemm_like_layouts():
+    """Padding rows written with garbage (as DeepGEMM may) never reach the diff."""
+    cpu = torch.device("cpu")
+    data = impls.make_data(Case("t", "contiguous", 50, 24, 160, 2, (30, 70)), cpu)
+    ref = impls.reference_output(data)
+    out = torch.full((data.a.shape[0], 24), float("nan"))
+    out[data.rows] = ref.float()
+    assert torch.equal(data.data_rows(out), ref.float())

@@ -42,3 +42,71 @@ def test_peers_are_correct_at_small_shapes():
         # cublas-block computes exactly our recipe; the others quantise differently or in bf16
         limit = 1e-5 if r["impl"] == "cublas-block" else 2e-3
         assert r["diff"] is not None and r["diff"] < limit, r
+
+
+def _deep_gemm_importable() -> bool:
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def test_busy_time_covers_deepgemm_host_cost():
+    timer = timing.DeviceTimer(torch.device("cuda"))
+    assert timer.sleep_cycles(10.0, impls.DEEPGEMM_BUSY_US) >= 500 * timer.cycles_per_us
+    assert timer.sleep_cycles(400.0) >= 800 * timer.cycles_per_us  # twice the host time
+
+
+def test_new_ops_and_peers_are_correct_at_small_shapes():
+    from fp8gemm.bench.suites import skewed_sizes
+
+    dev = torch.device("cuda")
+    sizes = skewed_sizes(600, 4)
+    cases = [Case("t", "wgrad", 256, 384, 640), Case("t", "wgrad", 256, 384, 1000),
+             Case("t", "k_grouped_wgrad", 256, 384, 256, 2, (128, 384)),
+             Case("t", "contiguous", 150, 256, 512, 4, sizes),
+             Case("t", "offsets", 150, 256, 512, 4, sizes),
+             Case("t", "masked", 40, 256, 512, 3, skewed_sizes(120, 3)),
+             Case("t", "dense", 128, 256, 512)]
+    names = ["fp8gemm-cuda", "fp8gemm-triton", "cublas-block", "cublas-block-loop",
+             "cublas-rowwise-grouped", "torch-bf16", "deepgemm"]
+    res = run_cases(cases, names, dev, 30, log=lambda s: None)
+    assert res.aborted is None
+    ran = {(r["op"], r["shape"]["k"], r["impl"]) for r in res.rows}
+    assert ("wgrad", 640, "cublas-block") in ran, res.skips
+    assert ("k_grouped_wgrad", 256, "cublas-block-loop") in ran, res.skips
+    if _deep_gemm_importable():
+        for op, k in (("wgrad", 640), ("k_grouped_wgrad", 256), ("contiguous", 512),
+                      ("masked", 512), ("dense", 512)):
+            assert (op, k, "deepgemm") in ran, res.skips
+    for r in res.rows:
+        exact = r["impl"].startswith("fp8gemm") or r["impl"] in ("cublas-block",
+                                                                  "cublas-block-loop", "deepgemm")
+        limit = 1e-5 if exact else 2e-3
+        assert r["diff"] is not None and r["diff"] < limit, r
+
+
+def test_moe_layer_prefill_and_decode_in_a_graph():
+    dev = torch.device("cuda")
+    from fp8gemm.quant import calc_diff
+
+    for tokens in (64, 300):  # decode (CUDA graph, masked) and prefill (eager, contiguous)
+        data = impls.make_data(Case("t", "moe_layer", tokens, 512, 256, 4), dev)
+        ref = impls.reference_output(data)
+        made = {}
+        for name in ("fp8gemm-cuda", "fp8gemm-triton", "torch-bf16", "deepgemm"):
+            try:
+                made[name] = impls.make_impl(name, data)
+            except impls.Skip as e:
+                assert name != "torch-bf16", e
+                assert name != "deepgemm" or not _deep_gemm_importable(), e
+        assert "fp8gemm-cuda" in made or "fp8gemm-triton" in made
+        for name, m in made.items():
+            m.fn()  # a replay (decode) or a call (prefill) gives the layer again
+            torch.cuda.synchronize()
+            limit = 1e-4 if name == "torch-bf16" else 5e-3
+            assert calc_diff(m.output(), ref) < limit, (name, tokens)
+            for part in m.parts.values():
+                part()
+        torch.cuda.synchronize()

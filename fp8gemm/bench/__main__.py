@@ -1,10 +1,13 @@
-"""python -m fp8gemm.bench: fp8gemm's backends against cuBLAS and bf16 on a CUDA GPU.
+"""python -m fp8gemm.bench: fp8gemm's backends against cuBLAS, bf16 and DeepGEMM on a CUDA GPU.
 
 Every available fp8gemm backend (fp8gemm-cuda, fp8gemm-triton) and the peers (cublas-block,
-cublas-tensor, cublas-rowwise-grouped, torch-bf16; see impls.py) are timed on each
-shape of the chosen suites; backends that cannot run are skipped with the reason shown. Prints
-one line per measurement, then markdown tables (detailed, then the summary with ratios over the
-baseline peer and geometric means) last.
+cublas-tensor, cublas-rowwise-grouped, cublas-block-loop, torch-bf16, and deepgemm when
+`import deep_gemm` works: put DeepGEMM's package directory on PYTHONPATH) are timed on each shape
+of the chosen suites; implementations that cannot run are skipped with the reason shown. Suites:
+deepseek-dense, deepseek-grouped, irregular, m-sweep (M = 1 ... 256, with the small-M floor),
+moe-skewed (skewed expert loads), deepseek-backward (wgrad, k-grouped wgrad) and moe-layer (a
+DeepSeek-V3 expert layer, prefill and decode). Prints one line per measurement, then markdown
+tables (detailed, then the summary with ratios over the baseline peer and geometric means) last.
 
   python -m fp8gemm.bench --suite deepseek-dense --json out.json --markdown out.md --plot out.png
   python -m fp8gemm.bench --dry-run                       # list the shapes, no GPU needed

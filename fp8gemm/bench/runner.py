@@ -9,7 +9,7 @@ import torch
 
 from ..quant import calc_diff
 from .impls import Skip, applies, make_data, make_impl, reference_output
-from .report import make_row
+from .report import _floor_us, make_row
 from .suites import Case
 from .timing import DeviceTimer, eager_time_us, gbs, median, tflops
 
@@ -55,6 +55,20 @@ def _context_broken(device: torch.device) -> str | None:
     return None
 
 
+def _time_parts(made, us: float, timer, runs: int, device) -> str:
+    """The device time of each of an impl's parts alone, and its share of the whole call."""
+    try:
+        calls = [(fn, eager_time_us(fn, device).host_us, made.busy_us)
+                 for fn in made.parts.values()]
+        times = [median(t) for t in timer.time_interleaved_us(calls, runs)]
+    except Exception as e:  # noqa: BLE001 - the parts are extra: never lose the row for them
+        return f"parts not timed ({type(e).__name__}: {e})"
+    shares = [f"{name} {t:.1f} us ({100 * t / us:.0f} %)" for name, t in zip(made.parts, times)]
+    rest = us - sum(times)
+    return (f"{us:.1f} us per call: " + ", ".join(shares)
+            + f", everything else (routing, layout, combine) {rest:.1f} us")
+
+
 def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: int,
               block_way: str | None = None, log: Callable[[str], None] = print,
               on_row: Callable[[RunResult], None] | None = None, seed: int = 0,
@@ -93,8 +107,8 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
                 if _skip(res, case, impl, why, why, device, log):
                     return res
         try:
-            times = timer.time_interleaved_us([(m.fn, eager.host_us) for _, m, _, eager in ready],
-                                              runs)
+            times = timer.time_interleaved_us(
+                [(m.fn, eager.host_us, m.busy_us) for _, m, _, eager in ready], runs)
         except Exception as e:  # noqa: BLE001
             why = f"failed while timed: {type(e).__name__}: {e}"
             for impl, *_ in ready:
@@ -106,12 +120,18 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
             row = make_row(case.suite, case.op, case.shape, impl, us, eager.wall_us,
                            tflops(case.flops, us), gbs(case.min_bytes, us), diff)
             res.rows.append(row)
+            floor = _floor_us(row)
             log(f"  {case} {impl:<24} {us:9.1f} us  eager {eager.wall_us:8.1f} us "
                 f"(host {eager.host_us:6.1f})  {row['tflops']:7.1f} TFLOPS  "
-                f"{row['gbs']:7.0f} GB/s  diff {diff:.1e}")
+                f"{row['gbs']:7.0f} GB/s  diff {diff:.1e}"
+                + (f"  {us / floor:5.2f}x floor" if floor else ""))
+            if made.parts:
+                note = _time_parts(made, us, timer, runs, device)
+                res.notes.append(f"{impl} at {case}: {note}")
+                log(f"    {note}")
             if on_row is not None:
                 on_row(res)
-        del data, ref
+        del data, ref, ready  # (moe_layer's CUDA graphs hold their memory until here)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return res

@@ -1,50 +1,136 @@
 """Benchmark suites: the shapes, with the arithmetic and byte counts each result is judged by.
 
-`deepseek-dense` and `deepseek-grouped` are the DeepSeek-V3 shapes DeepGEMM publishes; `irregular` holds shapes no tile divides (M = 1, 37; N = 200; K = 320).
+- `deepseek-dense`, `deepseek-grouped`: the DeepSeek-V3 shapes DeepGEMM publishes, every group
+  full and equal.
+- `irregular`: shapes no tile divides (M = 1, 37; N = 200; K = 320).
+- `m-sweep`: M = 1 ... 256 on the six dense N x K, where a GEMM should cost what moving its bytes
+  costs (the small-M floor).
+- `moe-skewed`: grouped GEMMs with skewed expert loads (8, 16 and 32 experts) at the grouped
+  suite's total rows: contiguous (padded to 128 rows per expert) and offsets (the same rows
+  unpadded), masked with `masked_m` varying per expert, and the k-grouped weight gradient with
+  skewed token counts.
+- `deepseek-backward`: the weight gradients of the dense layers (K = tokens) and of 8 experts.
+- `moe-layer`: a DeepSeek-V3 expert layer end to end, prefill and decode.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass
 
-__all__ = ["Case", "SUITES", "OPS", "BASELINE", "suite_cases", "all_suite_names"]
+__all__ = ["Case", "SUITES", "OPS", "BASELINE", "suite_cases", "all_suite_names",
+           "skewed_sizes", "SKEW_EXPONENT", "MOE_LAYER"]
 
-OPS = ("dense", "contiguous", "masked")
+OPS = ("dense", "contiguous", "offsets", "masked", "wgrad", "k_grouped_wgrad", "moe_layer")
 # The peer every impl of an op is compared with (ratio = baseline us / impl us).
-BASELINE = {"dense": "cublas-block", "contiguous": "cublas-rowwise-grouped", "masked": "torch-bf16"}
+BASELINE = {"dense": "cublas-block", "contiguous": "cublas-rowwise-grouped",
+            "offsets": "cublas-rowwise-grouped", "masked": "torch-bf16", "wgrad": "cublas-block",
+            "k_grouped_wgrad": "cublas-block-loop", "moe_layer": "torch-bf16"}
 
 _BLOCK = 128
+_GROUPED_OPS = ("contiguous", "offsets", "masked")
 
 
 def _ceil_div(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
+def _align(x: int, y: int) -> int:
+    return _ceil_div(x, y) * y
+
+
+@dataclass(frozen=True)
+class MoeLayerShape:
+    """A DeepSeek-V3 routed-expert layer as one rank of expert parallelism holds it."""
+
+    hidden: int = 7168
+    width: int = 2048  # each expert's intermediate size (w13 is [2 * width, hidden])
+    experts: int = 256
+    topk: int = 8
+    ranks: int = 8
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ranks
+
+
+MOE_LAYER = MoeLayerShape()
+
+
 @dataclass(frozen=True)
 class Case:
-    """One benchmark problem. For grouped ops `m` is the rows per group (Mmax for masked, where
-    every group is full: masked_m[g] = Mmax), and A holds groups * m rows."""
+    """One benchmark problem.
+
+    dense: D [M, N] = A [M, K] . B [N, K]^T. contiguous / offsets / masked: `m` is the mean rows
+    per group; `sizes` holds each group's rows when they differ (empty: every group has `m`);
+    masked groups live in [G, mmax, K] buffers. wgrad: fp32 out [M, N], K = tokens, 1x128
+    scales on both operands. k_grouped_wgrad: out [G, M, N], group g with K = sizes[g] tokens
+    (`k` the mean). moe_layer: `m` tokens through `groups` local experts of hidden `n` and
+    width `k` (MOE_LAYER).
+    """
 
     suite: str
-    op: str  # "dense", "contiguous" or "masked"
+    op: str
     m: int
     n: int
     k: int
     groups: int = 1
+    sizes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.sizes and (len(self.sizes) != self.groups
+                           or sum(self.sizes) != self.groups * self.mean_size):
+            raise ValueError(f"sizes must be {self.groups} values summing to "
+                             f"{self.groups * self.mean_size}, got {self.sizes}")
+
+    @property
+    def mean_size(self) -> int:
+        return self.k if self.op == "k_grouped_wgrad" else self.m
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """Rows (K for k_grouped_wgrad) of each group."""
+        return self.sizes or (self.mean_size,) * self.groups
+
+    @property
+    def mmax(self) -> int:
+        """Rows per group of the masked buffers: the largest group, rounded up to 128 when
+        groups differ (a capacity every masked kernel takes)."""
+        return _align(max(self.sizes), _BLOCK) if self.sizes else self.m
 
     @property
     def total_m(self) -> int:
-        return self.m * self.groups
+        """Rows of A that carry data (padding and rows past masked_m excluded)."""
+        return self.m * (self.groups if self.op in _GROUPED_OPS else 1)
 
     @property
     def flops(self) -> int:
+        if self.op == "k_grouped_wgrad":
+            return 2 * self.m * self.n * self.k * self.groups
+        if self.op == "moe_layer":
+            # NOTE: the expected local slots, tokens * topk * local / all experts (= tokens for
+            # DeepSeek-V3 on 8 ranks), each through w13 [2I, H] and w2 [H, I].
+            slots = self.m * MOE_LAYER.topk * self.groups // MOE_LAYER.experts
+            return 2 * slots * 3 * self.n * self.k
         return 2 * self.total_m * self.n * self.k
 
     @property
     def min_bytes(self) -> int:
-        """Fewest bytes any implementation of the fp8 problem moves: A and B in fp8, A's 1x128
-        and B's 128x128 fp32 scales, the bf16 output, each once."""
+        """Fewest bytes any implementation of the fp8 problem moves, each once: fp8 A and B
+        with their fp32 scales (1x128 for A, 128x128 for forward B, 1x128 for backward B) and
+        the output (bf16 forward, fp32 backward); for moe_layer the experts' fp8 weights and
+        the bf16 tokens in and out."""
+        if self.op == "moe_layer":
+            h, i, g = self.n, self.k, self.groups
+            w = g * (3 * h * i + 4 * (_ceil_div(2 * i, _BLOCK) * _ceil_div(h, _BLOCK)
+                                      + _ceil_div(h, _BLOCK) * _ceil_div(i, _BLOCK)))
+            return w + 2 * 2 * self.m * h
+        if self.op in ("wgrad", "k_grouped_wgrad"):
+            ks = self.group_sizes if self.op == "k_grouped_wgrad" else (self.k,)
+            kb = sum(_ceil_div(k, _BLOCK) for k in ks)
+            return ((self.m + self.n) * (sum(ks) + 4 * kb)
+                    + 4 * self.m * self.n * len(ks))
         kb = _ceil_div(self.k, _BLOCK)
         g = self.groups if self.op != "dense" else 1
         a = self.total_m * self.k + self.total_m * kb * 4
@@ -57,9 +143,15 @@ class Case:
 
     @property
     def label(self) -> str:
-        if self.op == "dense":
+        if self.op in ("dense", "wgrad"):
             return f"{self.m}x{self.n}x{self.k}"
-        return f"{self.groups}x{self.m}, {self.n}x{self.k}"
+        if self.op == "k_grouped_wgrad":
+            mean = "mean " if len(set(self.group_sizes)) > 1 else ""
+            return f"{self.groups}x{mean}{self.k} tokens, {self.m}x{self.n}"
+        if self.op == "moe_layer":
+            return f"{self.m} tokens, {self.groups} experts {self.n}x{self.k}"
+        mean = "mean " if len(set(self.group_sizes)) > 1 else ""
+        return f"{self.groups}x{mean}{self.m}, {self.n}x{self.k}"
 
     def __str__(self) -> str:
         return f"{self.suite}/{self.op} {self.label}"
@@ -76,6 +168,40 @@ _IRREGULAR_N = (200, 576, 2112)
 _IRREGULAR_K = (320, 7168)
 _IRREGULAR_QUICK = ((1, 2112, 7168), (37, 200, 320), (37, 576, 7168), (130, 2112, 320),
                     (1000, 200, 7168), (1000, 2112, 7168))
+_SWEEP_M = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+_SWEEP_M_QUICK = (1, 8, 32, 64, 128, 192, 256)
+# Skewed suites: the grouped suite's totals (contiguous 32768 rows, masked 1024 rows).
+_SKEW_GROUPS = (8, 16, 32)
+_SKEW_CONTIGUOUS_ROWS = 32768
+_SKEW_MASKED_ROWS = 1024
+# Weight gradients: tokens per dense layer, and 8 experts of 4096 tokens each (out [M, N] is an
+# expert weight: w13 [4096, 7168] and w2 [7168, 2048]).
+_WGRAD_TOKENS = (4096, 1000)
+_KGROUPED_MN = ((4096, 7168), (7168, 2048))
+_KGROUPED_EXPERTS, _KGROUPED_TOKENS = 8, 4096
+_MOE_LAYER_TOKENS = (4096, 128)  # prefill, decode
+
+# The r-th busiest expert draws tokens with weight r^-SKEW_EXPONENT (Zipf-like): at 32 experts
+# the busiest gets ~8x the mean load and the idlest ~1/4 of it.
+SKEW_EXPONENT = 1.0
+_SKEW_SEED = 2024
+
+
+def skewed_sizes(total: int, groups: int, seed: int = _SKEW_SEED, unit: int = 1) -> tuple[int, ...]:
+    """`groups` sizes summing to `total`, each a multiple of `unit`: total / unit draws, each
+    to one group with Zipf-like weights, the busiest groups placed at random. Deterministic in
+    (total, groups, seed, unit)."""
+    if total % unit or total < 0:
+        raise ValueError(f"total must be a non-negative multiple of unit = {unit}, got {total}")
+    if groups < 1:
+        raise ValueError(f"groups must be positive, got {groups}")
+    rng = random.Random(f"{seed}/{total}/{groups}/{unit}")
+    weights = [1.0 / (r + 1) ** SKEW_EXPONENT for r in range(groups)]
+    rng.shuffle(weights)
+    counts = [0] * groups
+    for g in rng.choices(range(groups), weights=weights, k=total // unit):
+        counts[g] += 1
+    return tuple(c * unit for c in counts)
 
 
 def _dense(quick: bool) -> list[Case]:
@@ -96,7 +222,41 @@ def _irregular(quick: bool) -> list[Case]:
     return [Case("irregular", "dense", m, n, k) for m, n, k in shapes]
 
 
-SUITES = {"deepseek-dense": _dense, "deepseek-grouped": _grouped, "irregular": _irregular}
+def _m_sweep(quick: bool) -> list[Case]:
+    return [Case("m-sweep", "dense", m, n, k) for n, k in _DENSE_NK
+            for m in (_SWEEP_M_QUICK if quick else _SWEEP_M)]
+
+
+def _skewed(quick: bool) -> list[Case]:
+    out = []
+    for op, total in (("contiguous", _SKEW_CONTIGUOUS_ROWS), ("offsets", _SKEW_CONTIGUOUS_ROWS),
+                      ("masked", _SKEW_MASKED_ROWS)):
+        for g in _SKEW_GROUPS:
+            sizes = skewed_sizes(total, g)
+            out += [Case("moe-skewed", op, total // g, n, k, g, sizes) for n, k in _GROUPED_NK]
+    ks = skewed_sizes(_KGROUPED_EXPERTS * _KGROUPED_TOKENS, _KGROUPED_EXPERTS, unit=_BLOCK)
+    out += [Case("moe-skewed", "k_grouped_wgrad", m, n, _KGROUPED_TOKENS, _KGROUPED_EXPERTS, ks)
+            for m, n in _KGROUPED_MN]
+    return out
+
+
+def _backward(quick: bool) -> list[Case]:
+    wgrad = [Case("deepseek-backward", "wgrad", n, k, t) for t in _WGRAD_TOKENS
+             for n, k in _DENSE_NK]
+    kgrouped = [Case("deepseek-backward", "k_grouped_wgrad", m, n, _KGROUPED_TOKENS,
+                     _KGROUPED_EXPERTS) for m, n in _KGROUPED_MN]
+    return wgrad + kgrouped
+
+
+def _moe_layer(quick: bool) -> list[Case]:
+    s = MOE_LAYER
+    return [Case("moe-layer", "moe_layer", t, s.hidden, s.width, s.local_experts)
+            for t in _MOE_LAYER_TOKENS]
+
+
+SUITES = {"deepseek-dense": _dense, "deepseek-grouped": _grouped, "irregular": _irregular,
+          "m-sweep": _m_sweep, "moe-skewed": _skewed, "deepseek-backward": _backward,
+          "moe-layer": _moe_layer}
 
 
 def all_suite_names() -> tuple[str, ...]:
@@ -104,8 +264,8 @@ def all_suite_names() -> tuple[str, ...]:
 
 
 def suite_cases(name: str, quick: bool = False) -> list[Case]:
-    """The cases of one suite, or of every suite for "all". --quick trims only `irregular`:
-    the DeepSeek shapes are what every figure is compared on."""
+    """The cases of one suite, or of every suite for "all". --quick trims only `irregular` and
+    `m-sweep`: the DeepSeek shapes are what every figure is compared on."""
     if name == "all":
         return [c for s in SUITES for c in SUITES[s](quick)]
     if name not in SUITES:

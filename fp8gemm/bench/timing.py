@@ -2,7 +2,9 @@
 
 Device time: the median of >= 30 runs timed with CUDA events, the L2 flushed before each run by a
 256 MB memset, and the GPU kept busy (`torch.cuda._sleep`) from before the start event is recorded
-until the call under test has been enqueued, so the host's launch cost is not in the number. The
+until the call under test has been enqueued (twice its measured host time, at least 50 us, and
+at least an implementation's own minimum where its host cost varies, as DeepGEMM's does), so the
+host's launch cost is not in the number. The
 implementations of one case are timed run by run in turn, so that the chip's drift in clock and
 temperature over the measurement falls on all of them alike (timed one after the other, the same
 kernel measured 0.96x and 1.01x cuBLAS on 4096x4096x7168 in two runs).
@@ -21,11 +23,12 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["median", "geomean", "tflops", "gbs", "EagerTime", "eager_time_us", "DeviceTimer",
-           "MIN_DEVICE_RUNS", "EAGER_CALLS", "FLUSH_BYTES"]
+           "MIN_DEVICE_RUNS", "EAGER_CALLS", "FLUSH_BYTES", "MIN_BUSY_US"]
 
 MIN_DEVICE_RUNS = 30
 EAGER_CALLS = 50
 FLUSH_BYTES = 256 << 20  # NOTE: 4x the H200's 60 MB L2, so nothing of the last run stays.
+MIN_BUSY_US = 50.0  # the shortest sleep before a start event
 
 
 def median(xs: Sequence[float]) -> float:
@@ -103,26 +106,28 @@ class DeviceTimer:
         end.synchronize()
         return cycles / (start.elapsed_time(end) * 1e3)
 
-    def sleep_cycles(self, host_us: float) -> int:
-        """Enough GPU work to outlast enqueuing the call (twice its host time, at least 50 us)."""
-        return int(max(50.0, 2.0 * host_us + 20.0) * self.cycles_per_us)
+    def sleep_cycles(self, host_us: float, min_us: float = MIN_BUSY_US) -> int:
+        """Enough GPU work to outlast enqueuing the call: twice its host time, at least
+        `min_us` (never under MIN_BUSY_US)."""
+        return int(max(MIN_BUSY_US, min_us, 2.0 * host_us + 20.0) * self.cycles_per_us)
 
     def time_us(self, fn: Callable[[], object], host_us: float,
-                runs: int = MIN_DEVICE_RUNS) -> list[float]:
+                runs: int = MIN_DEVICE_RUNS, min_busy_us: float = MIN_BUSY_US) -> list[float]:
         """Per-run device times in microseconds (take the median)."""
-        return self.time_interleaved_us([(fn, host_us)], runs)[0]
+        return self.time_interleaved_us([(fn, host_us, min_busy_us)], runs)[0]
 
-    def time_interleaved_us(self, calls: Sequence[tuple[Callable[[], object], float]],
+    def time_interleaved_us(self, calls: Sequence[tuple[Callable[[], object], float, float]],
                             runs: int = MIN_DEVICE_RUNS) -> list[list[float]]:
-        """Per-run device times of each (fn, host_us), the calls taking turns run by run."""
+        """Per-run device times of each (fn, host_us, min_busy_us), the calls taking turns run
+        by run."""
         if runs < 1:
             raise ValueError(f"runs must be positive, got {runs}")
-        sleeps = [self.sleep_cycles(host_us) for _, host_us in calls]
+        sleeps = [self.sleep_cycles(host_us, min_us) for _, host_us, min_us in calls]
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(runs)] for _ in calls]
         _sync(self.device)
         for r in range(runs):
-            for (fn, _), sleep, evs in zip(calls, sleeps, events):
+            for (fn, _, _), sleep, evs in zip(calls, sleeps, events):
                 s, e = evs[r]
                 self.flush_buf.zero_()
                 torch.cuda._sleep(sleep)
