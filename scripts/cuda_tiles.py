@@ -85,7 +85,8 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
         cfg = dataclasses.replace(cfg, grid=max(grid - grid % cfg.num_multicast, cfg.num_multicast))
     if tile_changed and "num_stages" not in changes:
         fits = [s for s in range(max_stages, 0, -1)
-                if dataclasses.replace(cfg, num_stages=s).smem <= facts.smem_per_block]
+                if dataclasses.replace(cfg, num_stages=s).smem(problem.k, problem.kind)
+                <= facts.smem_per_block]
         if not fits:
             return None
         cfg = dataclasses.replace(cfg, num_stages=fits[0])

@@ -15,7 +15,8 @@ import torch
 import fp8gemm
 import fp8gemm.backends.cuda as cuda_backend
 from fp8gemm import layout
-from fp8gemm.backends.cuda import sm90_fp8_gemm as g
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
+from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.jit import driver
 from fp8gemm.ops import _common, gemm
 
@@ -38,7 +39,7 @@ class Backend:
 
     def __init__(self):
         self.events = []  # ("launch", launch config, stream, pack), device switches
-        self.general_calls = 0  # sm90 fp8_gemm_nt: the backend's general path
+        self.general_calls = 0  # Sm90Plan.run: the backend's general path
         self.stream_queries = 0
         self.current_device = None  # CPU tensors: device index None
 
@@ -56,9 +57,9 @@ def backend(monkeypatch):
     monkeypatch.setattr(g, "_plans", {})
     monkeypatch.setattr(layout._SmCount, "override", None)
     monkeypatch.setattr(cuda_backend, "is_available", lambda device: True)
-    monkeypatch.setattr(g.DeviceFacts, "of", staticmethod(lambda device: g.DeviceFacts(
-        num_sms=layout._SmCount.override or 132, smem_per_block=232448, l2_bytes=60 * 2 ** 20)))
-    monkeypatch.setattr(g, "build_kernel", lambda n, k, cfg: FakeKernel(be.events))
+    monkeypatch.setattr(DeviceFacts, "of", staticmethod(lambda device: DeviceFacts(
+        "H200", (9, 0), num_sms=layout._SmCount.override or 132, smem_per_block=232448)))
+    monkeypatch.setattr(g.jit, "build", lambda *args, **kw: FakeKernel(be.events))
 
     class Lib:
         cuTensorMapEncodeTiled = staticmethod(lambda *args: 0)
@@ -71,13 +72,13 @@ def backend(monkeypatch):
 
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw_stream, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: be.current_device, raising=False)
-    general = g.fp8_gemm_nt
+    general = g.Sm90Plan.run
 
-    def counting(*args):
+    def counting(self, *args):
         be.general_calls += 1
-        return general(*args)
+        return general(self, *args)
 
-    monkeypatch.setattr(g, "fp8_gemm_nt", counting)
+    monkeypatch.setattr(g.Sm90Plan, "run", counting)
     return be
 
 
@@ -132,7 +133,7 @@ def test_misaligned_pointers_take_the_copying_path_every_call(backend):
         gemm_cuda(a, b, out_odd)
     assert len(backend.launches()) == 3 and backend.general_calls == 3
     (plan,) = g._plans.values()
-    assert all(key[5] % 16 == 0 for key in plan.packs)  # packs hold the aligned copy's pointer
+    assert all(key[4] % 16 == 0 for key in plan.packs)  # packs hold the aligned copy's pointer
 
 
 def test_row_major_a_scales_are_converted_every_call(backend):
@@ -150,7 +151,7 @@ def test_set_num_sms_rebuilds_the_plan_of_a_warm_signature(backend, monkeypatch)
     monkeypatch.setattr(layout._SmCount, "override", 66)
     gemm_cuda(a, b, out)
     gemm_cuda(a, b, out)
-    second = next(iter(g._plans.values()))
+    second = list(g._plans.values())[-1]
     assert second is not first and second.cfg.grid <= 66 < first.cfg.grid
     assert [e[1] for e in backend.launches()] == [first.launch, second.launch, second.launch]
     assert backend.general_calls == 2  # the call after set_num_sms, not the one after that

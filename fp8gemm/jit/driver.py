@@ -49,7 +49,7 @@ if ctypes.sizeof(CUlaunchAttribute) != 72 or ctypes.sizeof(CUlaunchConfig) != 56
 
 def bind_hot_path(dst, cdll: ctypes.CDLL) -> None:
     """Set dst.cuLaunchKernelEx and dst.cuTensorMapEncodeTiled to cdll's, with integer-only
-    prototypes (scripts/host_path_cpu.py binds no-op stand-ins the same way)."""
+    prototypes (tests bind no-op stand-ins the same way)."""
     dst.cuLaunchKernelEx = cdll.cuLaunchKernelEx
     dst.cuLaunchKernelEx.restype = ctypes.c_int
     dst.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
