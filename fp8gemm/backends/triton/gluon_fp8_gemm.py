@@ -450,8 +450,41 @@ def _launch(cfg: GluonConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.T
     _gluon_fp8_gemm_kernel[(cfg.num_programs,)](
         a_desc, b_desc, o_desc, out, sa, sb, idx if idx is not None else sa,
         a.shape[0], n, k, problem.groups, mmax, out.stride(0), sag, sam, sak, sbg, sbn, sbk,
-        KIND=_KIND[problem.kind], GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, maxnreg=_MAXNREG)
+        **_meta(cfg, problem))
+
+
+def _meta(cfg: GluonConfig, problem: GemmProblem) -> dict:
+    """The launch's constexprs and options."""
+    return dict(KIND=_KIND[problem.kind], GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+                num_warps=cfg.num_warps, maxnreg=_MAXNREG)
+
+
+_TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+                 torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_config(cfg: GluonConfig, problem: GemmProblem, target):
+    """The kernel `cfg` launches for `problem`, compiled ahead of time for `target` (a
+    triton.backends.compiler.GPUTarget; no GPU needed): what the compile checks inspect."""
+    from triton import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ty = _TRITON_TYPES
+    la, lb, lo = smem_layouts(problem.a_dtype, problem.b_dtype, problem.out_dtype, cfg.block_m,
+                              cfg.block_n)
+    fn = _gluon_fp8_gemm_kernel
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(a_desc=f"tensordesc<{ty[problem.a_dtype]}[{cfg.block_m}, {SCALE_BLOCK}],{la!r}>",
+               b_desc=f"tensordesc<{ty[problem.b_dtype]}[{cfg.block_n}, {SCALE_BLOCK}],{lb!r}>",
+               out_desc=f"tensordesc<{ty[problem.out_dtype]}[{cfg.block_m // 2}, {cfg.block_n}],"
+                        f"{lo!r}>",
+               out_ptr=f"*{ty[problem.out_dtype]}", sa_ptr="*fp32", sb_ptr="*fp32",
+               idx_ptr="*i32")
+    meta = _meta(cfg, problem)
+    options = {key: meta.pop(key) for key in ("maxnreg",)}
+    options["num_warps"] = meta["num_warps"]
+    sig.update({name: "constexpr" for name in meta})
+    return triton_compile(GluonASTSource(fn, sig, meta), target=target, options=options)
 
 
 # ---------------------------------------------------------------------------------------------
