@@ -690,6 +690,34 @@ def run_further_groups(cfg: PersistentConfig, problem: GemmProblem, a: torch.Ten
     _launch(cfg, problem, a, sa, b, sb, out, None, m_indices, main=False, further=True)
 
 
+_TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+                 torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_config(cfg: PersistentConfig, problem: GemmProblem, target, further: bool = False):
+    """The main kernel `cfg` launches for `problem` (or, with `further`, the contiguous
+    further-groups kernel), compiled ahead of time for `target` (a
+    triton.backends.compiler.GPUTarget; no GPU needed) with the launch's constexprs and
+    options; integer arguments carry none of the value specialisations a launch adds."""
+    from triton.compiler import ASTSource
+
+    main, further_meta = _launch_consts(problem, cfg, problem.has_c)
+    meta = dict(further_meta if further else main)
+    options = {key: meta.pop(key) for key in ("num_warps", "num_stages")}
+    fp8_a, fp8_b = _TRITON_TYPES[problem.a_dtype], _TRITON_TYPES[problem.b_dtype]
+    fn = _fp8_gemm_nt_kernel
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(a_ptr=f"*{fp8_a}", b_ptr=f"*{fp8_b}", out_ptr=f"*{_TRITON_TYPES[problem.out_dtype]}",
+               c_ptr="*fp32", ws_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32", idx_ptr="*i32")
+    if cfg.use_tma:
+        sig.update(a_desc=f"tensordesc<{fp8_a}[{cfg.block_m}, {SCALE_BLOCK}]>",
+                   b_desc=f"tensordesc<{fp8_b}[{cfg.block_n}, {SCALE_BLOCK}]>")
+    else:
+        meta.update(a_desc=None, b_desc=None)
+    sig.update({name: "constexpr" for name in meta})
+    return triton.compile(ASTSource(fn, sig, meta), target=target, options=options)
+
+
 # ---------------------------------------------------------------------------------------------
 # the family
 

@@ -241,3 +241,25 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
             sb.stride(0), sb.stride(1), sb.stride(2),
             POW2=bool(pow2_scales), BLOCK=SCALE_BLOCK, num_warps=8, **meta)
     return q, s
+
+
+def compile_kernels(target) -> list[tuple[str, object]]:
+    """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul, per block with
+    power-of-two scales) compiled ahead of time for `target` (a
+    triton.backends.compiler.GPUTarget; no GPU needed), with the launches' block sizes and warps:
+    [(name, compiled kernel)]."""
+    from triton.compiler import ASTSource
+
+    meta = dict(_fmt_meta(torch.float8_e4m3fn), SOFT_ROUND=False)
+    cases = [(_quant_rows_kernel, dict(SILU_MUL=True, POW2=False, BLOCK_M=32,
+                                       GROUP_K=SCALE_BLOCK), 4),
+             (_quant_block_kernel, dict(POW2=True, BLOCK=SCALE_BLOCK), 8)]
+    out = []
+    for fn, consts, warps in cases:
+        consts = dict(meta, **consts)
+        sig = {name: "i32" for name in fn.arg_names}
+        sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+        sig.update({name: "constexpr" for name in consts})
+        out.append((fn.__name__, triton.compile(ASTSource(fn, sig, consts), target=target,
+                                                options=dict(num_warps=warps))))
+    return out
