@@ -1,8 +1,8 @@
 """FP8 NT GEMM for sm_90 in Gluon (Triton's tile-level language): A 1x128, B 128x128 scales.
 
 D[m, n] = sum_k A[m, k] * B[g, n, k] * sa[m, k // 128] * sb[g, n // 128, k // 128], FP32
-accumulation; dense, grouped contiguous (the first group of each m tile; the Triton kernel's
-second launch takes the rest) and grouped masked (masked_m read on the GPU).
+accumulation; dense, grouped contiguous (the first group of each m tile; the persistent
+kernel's further-groups launch takes the rest) and grouped masked (masked_m read on the GPU).
 
 Why a second kernel: the fine-grained recipe needs each 128-deep partial sum in registers to
 scale it, and `tl.dot` then waits for its wgmma group right after issuing it, so MMA and
@@ -89,8 +89,8 @@ def _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX, KIND: gl.const
                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
     """(group, m tile, n tile, whether the tile writes any row) of a linear tile index; a tile
     that writes no row is skipped. Masked: the tiles of group g follow those of g - 1.
-    Contiguous: an m tile computes the first group among its rows' m_indices; the Triton
-    kernel's second launch takes any further groups."""
+    Contiguous: an m tile computes the first group among its rows' m_indices; the persistent
+    kernel's further-groups launch takes any others."""
     if KIND == 3:
         per_group = num_pid_m * num_pid_n
         g = tile // per_group
@@ -453,8 +453,9 @@ def _launch(cfg: GluonConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.T
         **_meta(cfg, problem))
 
 
+@functools.lru_cache(maxsize=1024)
 def _meta(cfg: GluonConfig, problem: GemmProblem) -> dict:
-    """The launch's constexprs and options."""
+    """The launch's constexprs and options (shared: never modified)."""
     return dict(KIND=_KIND[problem.kind], GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                 num_warps=cfg.num_warps, maxnreg=_MAXNREG)
 
@@ -480,7 +481,7 @@ def compile_config(cfg: GluonConfig, problem: GemmProblem, target):
                         f"{lo!r}>",
                out_ptr=f"*{ty[problem.out_dtype]}", sa_ptr="*fp32", sb_ptr="*fp32",
                idx_ptr="*i32")
-    meta = _meta(cfg, problem)
+    meta = dict(_meta(cfg, problem))
     options = {key: meta.pop(key) for key in ("maxnreg",)}
     options["num_warps"] = meta["num_warps"]
     sig.update({name: "constexpr" for name in meta})
