@@ -688,7 +688,8 @@ def test_gluon_takes_large_m_fine_grained_on_sm90():
     for m, n, k, ra, has_c, facts, why in [
             (4096, 4096, 7168, grp, True, H200, "no c"),
             (4096, 4096, 7168, grp, False, ada, "sm_90 only"),
-            (4096, 4096, 7000, grp, False, H200, "K must be a multiple of 16"),
+            (4096, 4096, 7000, grp, False, H200, "K must be a positive multiple of 16"),
+            (4096, 4096, 0, grp, False, H200, "K must be a positive multiple of 16"),
             (4096, 4100, 7168, grp, False, H200, "multiples of 16 bytes"),
             (4096, 4096, 7168, Recipe.ROW, False, H200, "A 1x128 x B 128x128 scales only"),
             (128, 4096, 7168, grp, False, H200, "large M only"),

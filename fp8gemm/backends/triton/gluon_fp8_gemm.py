@@ -512,8 +512,8 @@ class GluonFamily(KernelFamily):
         if problem.has_c:
             return "no c (D = C + A.B^T)"
         # NOTE: TMA rows of A, B (FP8) and out must be multiples of 16 bytes.
-        if problem.k % 16:
-            return f"K must be a multiple of 16 for TMA, got {problem.k}"
+        if problem.k % 16 or problem.k == 0:
+            return f"K must be a positive multiple of 16 for TMA, got {problem.k}"
         if problem.n * problem.out_dtype.itemsize % 16:
             return f"out rows must be multiples of 16 bytes for TMA, got N={problem.n}"
         rows = fp8_gemm.rows_per_group(problem)
