@@ -1,7 +1,8 @@
-"""The Gluon kernel compiled for sm_90 on the CPU (no GPU needed): every kind and output
-dtype the backend launches must compile without register spills and without ptxas
-serialising the wgmmas (C7514 / C7515: the two accumulators in flight would then gain
-nothing). Uses the ptxas that Triton ships, the one it runs on the GPU."""
+"""The Gluon kernel compiled for sm_90a on the CPU (no GPU needed), as its family launches it for
+the configs the heuristic picks: every kind and output dtype must compile without register
+spills and without ptxas serialising the wgmmas (C7514 / C7515: the two accumulators in flight
+would then gain nothing), and use the FP8 tensor-core instruction (QGMMA). Uses the ptxas that
+Triton ships, the one it runs on the GPU."""
 
 from __future__ import annotations
 
@@ -15,29 +16,15 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from fp8gemm.backends.triton import config, gluon_fp8_gemm  # noqa: E402
+import fp8gemm.backends.triton as tb  # noqa: E402
+from fp8gemm.backends.family import DeviceFacts  # noqa: E402
+from fp8gemm.backends.triton import gluon_fp8_gemm  # noqa: E402
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe  # noqa: E402
 
 _PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-_H200 = config.DeviceFacts("H200", (9, 0), 132, 232448, 60 << 20)
+_H200 = DeviceFacts("NVIDIA H200", (9, 0), 132, 232448)
 _GL = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def _compile(kind: int, out: torch.dtype, stages: int):
-    la, lb, lo = gluon_fp8_gemm.gluon_layouts(torch.float8_e4m3fn, torch.float8_e5m2, out,
-                                              128, 128, 128)
-    fn = gluon_fp8_gemm._gluon_fp8_gemm_kernel
-    sig = {name: "i32" for name in fn.arg_names}
-    sig.update(a_desc=f"tensordesc<fp8e4nv[128, 128],{la!r}>",
-               b_desc=f"tensordesc<fp8e5[128, 128],{lb!r}>",
-               out_desc=f"tensordesc<{_GL[out]}[64, 128],{lo!r}>", out_ptr=f"*{_GL[out]}",
-               sa_ptr="*fp32", sb_ptr="*fp32", idx_ptr="*i32")
-    consts = dict(KIND=kind, GROUP_M=8, STAGES=stages, num_warps=4)
-    sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=gluon_fp8_gemm._MAXNREG))
 
 
 @pytest.mark.skipif(not _PTXAS.exists(), reason="Triton without its ptxas")
@@ -47,10 +34,13 @@ def _compile(kind: int, out: torch.dtype, stages: int):
 def test_gluon_kernel_compiles_without_spills(kind, out, tmp_path):
     prob = GemmProblem(kind, 4096, 4096, 7168, 4, torch.float8_e4m3fn, torch.float8_e5m2,
                        Recipe.GROUP, Recipe.BLOCK, out, expected_m=1024)
-    cfg = config.choose_config(prob, _H200)
-    assert cfg.gluon
-    k = _compile({GemmKind.DENSE: 0, GemmKind.CONTIGUOUS: 1, GemmKind.MASKED: 3}[kind], out,
-                 cfg.num_stages)
+    family = tb.family_for(prob, _H200)
+    assert family is gluon_fp8_gemm.FAMILY
+    cfg = family.select_config(prob, _H200)
+    k = gluon_fp8_gemm.compile_config(cfg, prob, GPUTarget("cuda", 90, 32))
+    # launched with num_warps = 4 (the default partition); with the workers' 4 + 1 warps the
+    # kernel holds three warpgroups
+    assert cfg.num_warps == 4 and k.metadata.num_warps == 12
     assert k.metadata.shared <= _H200.smem_per_block
     ptx = tmp_path / "k.ptx"
     ptx.write_text(k.asm["ptx"])

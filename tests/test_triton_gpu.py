@@ -75,12 +75,17 @@ def test_deepseek_dense(tb, m, n, k):
 
 
 def _gluon_config(tb, prob):
-    """The Gluon kernel's config for `prob` (whether or not the heuristic would pick it)."""
-    if torch.cuda.get_device_capability() != (9, 0):
+    """The Gluon family's heuristic config for `prob` (whether or not the backend would pick
+    the family)."""
+    if torch.cuda.get_device_capability() != (9, 0) or tb.gluon_fp8_gemm is None:
         pytest.skip("the Gluon kernel is for sm_90")
-    facts = tb.config.device_facts(torch.device("cuda"))
-    assert tb.config.gluon_eligible(prob, facts)
-    return tb.config._gluon_config(prob, facts)
+    family = tb.gluon_fp8_gemm.FAMILY
+    assert family.supports(prob) is None
+    return family.select_config(prob, tb.device_facts(torch.device("cuda")))
+
+
+def _run_gluon(tb, prob, cfg, a, sa, b, sb, out, idx=None):
+    tb.gluon_fp8_gemm.FAMILY.run(cfg, prob, a, sa, b, sb, out, None, idx)
 
 
 @pytest.mark.parametrize("m,n,k,out_dtype", [
@@ -96,27 +101,35 @@ def test_gluon_kernel(tb, m, n, k, out_dtype):
     cfg = _gluon_config(tb, prob)
     buf = torch.full((m + 64, n), float("nan"), dtype=out_dtype, device="cuda")
     out = buf[:m]
-    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, out, None, None)
+    _run_gluon(tb, prob, cfg, a, sa, b, sb, out)
     assert not out.isnan().any() and buf[m:].isnan().all()
     limit = BF16_DIFF if out_dtype is torch.bfloat16 else 1e-8
     assert calc_diff(out, _ref(a, sa, GRP, b, sb, BLK)) < limit
     again = torch.empty_like(out)
-    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, again, None, None)
+    _run_gluon(tb, prob, cfg, a, sa, b, sb, again)
     assert torch.equal(out, again)  # bit-identical on a second run
 
 
-def test_gluon_unaligned_base_takes_triton_kernel(tb):
-    """A base that is not 16-byte aligned cannot be a TMA operand: same result through the
-    Triton kernel."""
+def test_gluon_unaligned_bases(tb):
+    """Operands and out at base addresses TMA cannot use (views at an odd offset): the Gluon
+    kernel runs on aligned copies, with the same result, and out's other elements untouched."""
     m, n, k = 256, 512, 1024
     a, sa, b, sb = _dense(m, n, k, seed=11)
     prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, GRP, BLK, torch.bfloat16)
     cfg = _gluon_config(tb, prob)
     a_off = torch.empty(m * k + 1, dtype=a.dtype, device="cuda")[1:].view(m, k)
     a_off.copy_(a)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tb.fp8_gemm.launch_gemm(prob, cfg, a_off, sa, b, sb, out, None, None)
+    b_off = torch.empty(n * k + 3, dtype=b.dtype, device="cuda")[3:].view(n, k)
+    b_off.copy_(b)
+    buf = torch.full((m * n + 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buf[1:-1].view(m, n)
+    assert a_off.data_ptr() % 16 and b_off.data_ptr() % 16 and out.data_ptr() % 16
+    _run_gluon(tb, prob, cfg, a_off, sa, b_off, sb, out)
+    assert buf[0].isnan() and buf[-1].isnan()
     assert calc_diff(out, _ref(a, sa, GRP, b, sb, BLK)) < BF16_DIFF
+    want = torch.empty_like(out)
+    _run_gluon(tb, prob, cfg, a, sa, b, sb, want)
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("ra", [Recipe.TENSOR, Recipe.ROW, GRP], ids=lambda r: r.value)
@@ -219,7 +232,7 @@ def test_contiguous_deepseek(tb, groups, m_per, n, k):
 def test_contiguous_unaligned_groups(tb, gluon):
     """m_indices not aligned to the M tile (tiles holding rows of two or three groups), padding
     rows and out-of-range values (treated as padding, left untouched); the heuristic's config
-    and the Gluon kernel's (then the Triton kernel's second launch)."""
+    and the Gluon kernel's (then the persistent kernel's further-groups launch)."""
     groups, n, k = 3, 2112, 7168
     parts = [torch.full((s,), g, dtype=torch.int32) for g, s in ((0, 700), (-1, 5), (2, 1),
                                                                 (1, 3001), (7, 3), (2, 259))]
@@ -232,8 +245,7 @@ def test_contiguous_unaligned_groups(tb, gluon):
     prob = problem(GemmKind.CONTIGUOUS, m, n, k, groups, a, b, GRP, BLK, torch.bfloat16)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     if gluon:
-        tb.fp8_gemm.launch_gemm(prob, _gluon_config(tb, prob), a, sa, b, sb, out, None,
-                                idx.cuda())
+        _run_gluon(tb, prob, _gluon_config(tb, prob), a, sa, b, sb, out, idx.cuda())
     else:
         tb.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, idx.cuda(), prob)
     own = (idx >= 0) & (idx < groups)
@@ -304,7 +316,7 @@ def test_gluon_masked(tb, groups, mmax, n, k, mm):
                    expected_m=mmax)
     cfg = _gluon_config(tb, prob)
     out = torch.full((groups, mmax, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, out, None, masked_m)
+    _run_gluon(tb, prob, cfg, a, sa, b, sb, out, masked_m)
     ref = _ref(a, sa, GRP, b, sb, BLK, grouped=True)
     for gi in range(groups):
         rows = min(mm[gi], mmax)
@@ -447,11 +459,11 @@ def test_autotune_stores_choice(tb, tmp_path, monkeypatch):
     untouched by the timing runs when c aliases it) and stored as JSON in the cache dir."""
     import json
 
-    from fp8gemm.backends.triton import config as cfgmod
+    from fp8gemm.backends.triton import tuning
 
     monkeypatch.setenv("FP8GEMM_AUTOTUNE", "1")
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cfgmod, "_tuned", None)
+    monkeypatch.setattr(tuning, "_tuned", None)
     m, n, k = 96, 2048, 1024  # a problem no other test has configured
     a, sa, b, sb = _dense(m, n, k, seed=31)
     c = torch.randn(m, n, device="cuda")
@@ -460,5 +472,6 @@ def test_autotune_stores_choice(tb, tmp_path, monkeypatch):
     tb.fp8_gemm_nt(a, sa, b, sb, out, out, prob)
     assert calc_diff(out, _ref(a, sa, GRP, b, sb, BLK) + c.double()) < 1e-7
     stored = json.loads((tmp_path / "triton_autotune.json").read_text())
-    assert len(stored) == 1 and str(prob) in next(iter(stored))
-    assert cfgmod.GemmConfig.from_json(next(iter(stored.values()))) == tb.get_config(prob, a.device)
+    family, cfg = tb.launch_config(prob, a.device)
+    assert len(stored) == 1 and f"|{family.name}|{prob}" in next(iter(stored))
+    assert tuning.config_from_json(family.Config, next(iter(stored.values()))) == cfg

@@ -12,8 +12,6 @@ does not own (padding rows, rows past masked_m, rows in no group) must still be 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import json
 import mmap
 import os
 import subprocess
@@ -60,7 +58,7 @@ def tb():
         pytest.skip("needs TRITON_INTERPRET=1 from the start (test_interpreter_suite runs it)")
     pytest.importorskip("triton")
     import fp8gemm.backends.triton as mod
-    from fp8gemm.backends.triton import config, fp8_gemm, quant  # noqa: F401
+    from fp8gemm.backends.triton import fp8_gemm, quant  # noqa: F401
 
     return mod
 
@@ -80,14 +78,15 @@ def _check(out, ref, out_dtype):
 
 
 def _launch(tb, prob, cfg, a, sa, b, sb, out, c=None, idx=None):
-    tb.fp8_gemm.launch_gemm(prob, cfg, a, sa, b, sb, out, c, idx)
+    """Run one persistent-kernel config through its family (the way autotuning runs one)."""
+    tb.fp8_gemm.FAMILY.run(cfg, prob, a, sa, b, sb, out, c, idx)
 
 
 def _cfg(tb, **kw):
-    base = dict(block_m=64, block_n=64, block_k=128, group_m=8, split_k=1, num_stages=2,
-                num_warps=4, use_tma=False, num_programs=3)
+    base = dict(block_m=64, block_n=64, group_m=8, split_k=1, num_stages=2, num_warps=4,
+                use_tma=False, num_programs=3)
     base.update(kw)
-    return tb.config.GemmConfig(**base)
+    return tb.fp8_gemm.PersistentConfig(**base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +177,8 @@ def test_long_k_error_does_not_grow(tb):
 # ---------------------------------------------------------------------------------------------
 # grouped
 
-G, N_G, K_G = 3, 72, 200
+# K = 128 + 80: a partial last K block, rows of 16-byte multiples (the TMA configs' constraint)
+G, N_G, K_G = 3, 72, 208
 
 
 def _grouped_operands(m, ra, rb, seed, lead=None, da=E4M3, db=E4M3):
@@ -323,7 +323,7 @@ def _strided_copy(t: torch.Tensor, perm) -> torch.Tensor:
 def test_no_access_outside_tensors(tb, kind, at):
     """Every tensor the kernels get ends (or starts) at an inaccessible page. Masked A scales
     have their G stride innermost ([Mmax, G, kb] in memory): a group's last m tile runs past
-    Mmax, and those rows' scales lie past the end of the tensor (read before the fix)."""
+    Mmax, and those rows' scales lie past the end of the tensor (never read)."""
     gen = _gen(71)
     cfg = _cfg(tb, split_k=2) if kind is GemmKind.DENSE else _cfg(tb)
     ra, rb = Recipe.GROUP, Recipe.BLOCK
@@ -583,12 +583,15 @@ def test_quant_rejects_bad_input(tb):
 
 
 # ---------------------------------------------------------------------------------------------
-# availability, configs
+# availability, the family seam
 
 
 def test_available_and_supports(tb):
+    """On the CPU the interpreter runs every problem the backend supports with the persistent
+    kernel (Gluon has no interpreter)."""
     assert tb.NAME == "triton"
     assert tb.is_available(CPU)
+    assert tb.device_facts(CPU) is tb.INTERPRETER_FACTS and tb.INTERPRETER_FACTS.interpreter
     a = torch.zeros(1, dtype=E4M3)
     for kind in GemmKind:
         for ra in A_RECIPES:
@@ -596,222 +599,25 @@ def test_available_and_supports(tb):
                 for da in (E4M3, E5M2):
                     prob = problem(kind, 64, 64, 64, 2, a, a.to(da), ra, rb, torch.float32)
                     assert tb.supports(prob) is None
+                    assert tb.launch_config(prob, CPU)[0] is tb.fp8_gemm.FAMILY
     bad = problem(GemmKind.DENSE, 4, 4, 4, 1, torch.zeros(1), a, Recipe.ROW, Recipe.ROW, torch.bfloat16)
     assert "FP8" in tb.supports(bad)
 
 
-H200 = dict(name="H200", capability=(9, 0), num_sms=132, smem_per_block=232448, l2_bytes=60 << 20)
 
-
-def test_heuristic_small_m_splits_k(tb):
-    cfgmod = tb.config
-    facts = cfgmod.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    for m, n, k in [(64, 2112, 7168), (128, 4096, 7168), (64, 7168, 16384)]:
-        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-        cfg = cfgmod.choose_config(prob, facts)
-        tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-        assert cfg.split_k > 1, cfg
-        assert tiles * cfg.split_k <= 2 * facts.num_sms and cfg.num_programs <= facts.num_sms
-        kb = ceil_div(k, 128)
-        assert kb % cfg.split_k == 0 and kb // cfg.split_k >= 2  # even K ranges
-        assert cfg.use_tma and cfg.block_k == 128
-        assert cfgmod.choose_config(prob, facts) is cfg  # cached
-        with pytest.raises(dataclasses.FrozenInstanceError):
-            cfg.split_k = 1
-
-
-def test_heuristic_large_m_gluon(tb):
-    """Large-M dense A 1x128 x B 128x128 on sm_90 takes the Gluon kernel when its TMA rows fit;
-    with C, an sm_89 part, K % 16 != 0 or out rows not 16-byte multiples, the Triton kernel."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    cfgmod = tb.config
-    facts = cfgmod.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    for m, n, k, out in [(4096, 7168, 16384, torch.bfloat16), (129, 2112, 1024, torch.float32)]:
-        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.GROUP, Recipe.BLOCK, out)
-        cfg = cfgmod.choose_config(prob, facts)
-        assert cfg.gluon and (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k) == (128, 128, 8, 1)
-        # the stage ring and the epilogue tile fit shared memory
-        assert cfg.num_stages * 2 * 128 * 128 + 128 * 128 * out.itemsize <= facts.smem_per_block
-        assert cfg.num_programs == min(facts.num_sms, ceil_div(m, 128) * ceil_div(n, 128))
-        cands = cfgmod.candidate_configs(prob, facts)
-        assert cands[0] is cfg and any(not c.gluon for c in cands)
-    ada = cfgmod.DeviceFacts(**{**H200, "capability": (8, 9)})
-    grp = Recipe.GROUP
-    for m, n, k, ra, has_c, f in [
-            (4096, 4096, 7168, grp, True, facts), (4096, 4096, 7168, grp, False, ada),
-            (4096, 4096, 7000, grp, False, facts), (4096, 4100, 7168, grp, False, facts),
-            (4096, 4096, 7168, Recipe.ROW, False, facts), (128, 4096, 7168, grp, False, facts),
-            # one partial wave with short K: the Gluon kernel's fixed cost shows
-            (129, 2112, 320, grp, False, facts),
-            # 136 tiles of 128x128 take two waves; 128x64 tiles two programs an SM, one
-            (1000, 2112, 7168, grp, False, facts)]:
-        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, ra, Recipe.BLOCK, torch.bfloat16,
-                       has_c=has_c)
-        assert not cfgmod.choose_config(prob, f).gluon, prob
-    for kind, m, groups, em in [(GemmKind.CONTIGUOUS, 32768, 4, 0), (GemmKind.MASKED, 512, 2, 512)]:
-        prob = problem(kind, m, 7168, 2048, groups, a, a, Recipe.GROUP, Recipe.BLOCK,
-                       torch.bfloat16, expected_m=em)
-        assert cfgmod.choose_config(prob, facts).gluon, prob
-
-
-def test_heuristic_large_m(tb):
-    """The Triton kernel's large-M choices (recipes the Gluon kernel does not take)."""
-    cfgmod = tb.config
-    facts = cfgmod.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    for m, n, k in [(4096, 7168, 16384), (4096, 2112, 7168), (4096, 32768, 512)]:
-        prob = problem(GemmKind.DENSE, m, n, k, 1, a, a, Recipe.ROW, Recipe.BLOCK, torch.bfloat16)
-        cfg = cfgmod.choose_config(prob, facts)
-        assert cfg.split_k == 1 and cfg.block_m == 128
-        stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
-        per_sm = cfg.num_programs // facts.num_sms
-        assert cfg.num_programs == per_sm * facts.num_sms and per_sm in (1, 2)
-        # the pipelines of all programs on one SM fit its shared memory
-        assert per_sm * (cfg.num_stages * stage_bytes + 2048) <= facts.smem_per_block + 1024
-        assert per_sm == 1 or cfg.num_warps == 4  # two programs: one warpgroup each (registers)
-        assert cfg.flatten == (k <= 4 * 128)
-        assert (cfg.block_n == 64) == (n <= 2304 or k <= 2048)
-    # unaligned K: no tensor descriptors; an sm_89 part has none either
-    prob = problem(GemmKind.DENSE, 4096, 4096, 7000, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    assert not cfgmod.choose_config(prob, facts).use_tma
-    ada = cfgmod.DeviceFacts(**{**H200, "capability": (8, 9)})
-    prob = problem(GemmKind.DENSE, 4096, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    assert not cfgmod.choose_config(prob, ada).use_tma
-    # grouped: no split-K; masked tiles by expected_m
-    prob = problem(GemmKind.MASKED, 1024, 4096, 7168, 4, a, a, Recipe.GROUP, Recipe.BLOCK,
-                   torch.bfloat16, expected_m=32)
-    cfg = cfgmod.choose_config(prob, facts)
-    assert cfg.split_k == 1 and cfg.block_m == 64
-    cands = cfgmod.candidate_configs(prob, facts)
-    assert cands[0] == cfg and len(set(cands)) == len(cands) > 3
-
-
-def test_autotune_cache_roundtrip(tb, tmp_path, monkeypatch):
-    cfgmod = tb.config
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cfgmod, "_tuned", None)
-    facts = cfgmod.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    prob = problem(GemmKind.DENSE, 64, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    assert cfgmod.load_tuned(prob, facts) is None
-    cfg = cfgmod.candidate_configs(prob, facts)[2]
-    cfgmod.store_tuned(prob, facts, cfg)
-    monkeypatch.setattr(cfgmod, "_tuned", None)  # as a new process would
-    assert cfgmod.load_tuned(prob, facts) == cfg
-    assert (tmp_path / "triton_autotune.json").exists()
-    with pytest.raises(ValueError):
-        cfgmod.GemmConfig.from_json({"block_m": 64})
-
-
-def test_config_rejects_what_the_kernel_cannot_run(tb, tmp_path, monkeypatch):
-    """A K tile other than one scale block (128) would index K-varying scales wrongly: such a
-    config cannot be built, and an autotune-cache entry holding one is ignored."""
-    cfgmod = tb.config
-    for bad in (dict(block_k=64), dict(block_m=48), dict(split_k=0), dict(num_programs=0)):
-        with pytest.raises(ValueError, match="invalid GemmConfig"):
-            _cfg(tb, **bad)
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cfgmod, "_tuned", None)
-    facts = cfgmod.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    prob = problem(GemmKind.DENSE, 64, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    entry = dict(cfgmod.choose_config(prob, facts).to_json(), block_k=64)
-    (tmp_path / "triton_autotune.json").write_text(json.dumps({cfgmod._key(prob, facts): entry}))
-    assert cfgmod.load_tuned(prob, facts) is None
-
-
-def test_autotune_key_has_sm_count(tb, tmp_path, monkeypatch):
-    """A config tuned for 132 SMs (its persistent grid) is not used under set_num_sms(100)."""
-    cfgmod = tb.config
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cfgmod, "_tuned", None)
-    facts = cfgmod.DeviceFacts(**H200)
-    capped = dataclasses.replace(facts, num_sms=100)
-    a = torch.zeros(1, dtype=E4M3)
-    prob = problem(GemmKind.DENSE, 64, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    cfgmod.store_tuned(prob, facts, cfgmod.choose_config(prob, facts))
-    assert cfgmod.load_tuned(prob, facts) is not None
-    assert cfgmod.load_tuned(prob, capped) is None
-    assert cfgmod.choose_config(prob, capped).num_programs <= 100
-
-
-def _store_entries(cache_dir: str, first: int, count: int) -> None:
-    os.environ["FP8GEMM_CACHE_DIR"] = cache_dir
-    from fp8gemm.backends.triton import config as cfgmod
-
-    cfgmod._tuned = None
-    facts = cfgmod.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    for m in range(first, first + count):
-        prob = problem(GemmKind.DENSE, m, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK,
-                       torch.bfloat16)
-        cfgmod.store_tuned(prob, facts, cfgmod.choose_config(prob, facts))
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_autotune_store_concurrent_processes(tb, tmp_path):
-    """Processes that store entries at the same time keep each other's (read-merge-write under a
-    lock file); without the lock, entries written between one process's read and its rename
-    were lost."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_store_entries, args=(str(tmp_path), 1 + 25 * i, 25))
-             for i in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    stored = json.loads((tmp_path / "triton_autotune.json").read_text())
-    assert len(stored) == 100
-
-
-def test_config_under_graph_capture_is_not_remembered(tb, monkeypatch):
-    """FP8GEMM_AUTOTUNE=1 and the first call of a problem inside a CUDA-graph capture (or one
-    without tensors, as a benchmark asking which config runs): the heuristic's config is used but
-    not kept, so the next eager call tunes (and keeps that)."""
-    facts = tb.config.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    prob = problem(GemmKind.DENSE, 33, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    tuned = tb.config.candidate_configs(prob, facts)[1]
-    capturing = [True]
-    monkeypatch.setenv("FP8GEMM_AUTOTUNE", "1")
-    monkeypatch.setattr(tb, "device_facts", lambda device: facts)
-    monkeypatch.setattr(tb, "load_tuned", lambda p, f: None)
-    monkeypatch.setattr(tb, "store_tuned", lambda p, f, c: None)
-    monkeypatch.setattr(tb, "_autotune", lambda p, f, args: tuned)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    cuda = torch.device("cuda", 0)
-    heuristic = tb.config.choose_config(prob, facts)
-    assert tb.get_config(prob, cuda, tune_args=()) == heuristic
-    assert (prob, facts) not in tb._configs
-    capturing[0] = False
-    assert tb.get_config(prob, cuda) == heuristic  # no tensors to time: not remembered either
-    assert (prob, facts) not in tb._configs
-    capturing[0] = False
-    assert tb.get_config(prob, cuda, tune_args=()) == tuned
-    assert tb._configs[(prob, facts)] == tuned
-
-
-def test_autotune_store_failure_is_not_fatal(tb, monkeypatch):
-    """A cache directory that cannot be written costs a warning (and a re-tune next process),
-    not the GEMM call."""
-    facts = tb.config.DeviceFacts(**H200)
-    a = torch.zeros(1, dtype=E4M3)
-    prob = problem(GemmKind.DENSE, 35, 4096, 7168, 1, a, a, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
-    tuned = tb.config.candidate_configs(prob, facts)[1]
-
-    def read_only(p, f, c):
-        raise PermissionError("read-only file system")
-
-    monkeypatch.setenv("FP8GEMM_AUTOTUNE", "1")
-    monkeypatch.setattr(tb, "device_facts", lambda device: facts)
-    monkeypatch.setattr(tb, "load_tuned", lambda p, f: None)
-    monkeypatch.setattr(tb, "store_tuned", read_only)
-    monkeypatch.setattr(tb, "_autotune", lambda p, f, args: tuned)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    with pytest.warns(UserWarning, match="not stored"):
-        assert tb.get_config(prob, torch.device("cuda", 0), tune_args=()) == tuned
+def test_tma_config_on_misaligned_bases(tb):
+    """A TMA config runs as it says on operands whose base address TMA cannot read from (views at
+    an odd byte offset): they are copied to aligned buffers, the results are the same."""
+    m, n, k = 40, 96, 256
+    a, sa, b, sb, ref = make_dense(m, n, k, Recipe.GROUP, Recipe.BLOCK, CPU, gen=_gen(91))
+    prob = problem(GemmKind.DENSE, m, n, k, 1, a, b, Recipe.GROUP, Recipe.BLOCK, torch.bfloat16)
+    shifted = []
+    for t in (a, b):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        assert view.data_ptr() % 16 != 0
+        shifted.append(view)
+    out = _poisoned((m, n), torch.bfloat16)
+    _launch(tb, prob, _cfg(tb, use_tma=True), shifted[0], sa, shifted[1], sb, out)
+    _check(out, ref, torch.bfloat16)

@@ -2,12 +2,20 @@
 (compute capability >= 8.9), and on the CPU under TRITON_INTERPRET=1.
 
 Implements the backend contract of `fp8gemm.backends` (inputs validated and normalised by the ops
-layer). Configs come from `config.choose_config` (pure heuristic) or, with FP8GEMM_AUTOTUNE=1,
-from timing its candidates once per problem (stored in FP8GEMM_CACHE_DIR).
+layer) with two kernel families, in order of preference (`FAMILIES`):
+
+- `gluon_fp8_gemm_1d2d` (gluon_fp8_gemm.py: sm_90, A 1x128 x B 128x128, large M, where its wave model says it is faster);
+- `fp8_gemm_persistent` (fp8_gemm.py), the persistent Triton kernel: everything.
+
+The family and its config are chosen once per (problem, device) by the pure heuristics
+(`launch_config`), or with FP8GEMM_AUTOTUNE=1 the config is the fastest of the family's
+candidates, timed once per problem and stored in FP8GEMM_CACHE_DIR (`tuning`). What
+FP8GEMM_PRINT_CONFIGS prints is what runs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -16,23 +24,28 @@ import torch
 import triton  # noqa: F401  (an ImportError here tells the backend registry Triton is missing)
 
 from ..._settings import settings
-from ...problem import FP8_DTYPES, OUT_DTYPES, GemmKind, GemmProblem, Recipe
-from .config import (DeviceFacts, GemmConfig, candidate_configs, choose_config, device_facts,
-                     load_tuned, store_tuned)
-from .fp8_gemm import launch_gemm
+from ...layout import _SmCount
+from ...problem import GemmProblem
+from ..family import DeviceFacts, KernelFamily, choose_family
+from . import fp8_gemm, tuning
 from .quant import quantize_per_block, quantize_per_token, silu_mul_quantize_per_token
 
-__all__ = ["NAME", "is_available", "supports", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous",
-           "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked", "get_config",
-           "quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token"]
+try:
+    from . import gluon_fp8_gemm
+except ImportError:  # a Triton without Gluon's Hopper API: the persistent kernel runs everything
+    gluon_fp8_gemm = None
+
+__all__ = ["NAME", "FAMILIES", "is_available", "supports", "device_facts", "family_for",
+           "launch_config", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous",
+           "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked", "quantize_per_token",
+           "quantize_per_block", "silu_mul_quantize_per_token"]
 
 NAME = "triton"
+FAMILIES: tuple[KernelFamily, ...] = tuple(
+    mod.FAMILY for mod in (gluon_fp8_gemm, fp8_gemm) if mod is not None)
 
-# NOTE: offsets / masked map tiles to groups with a [G]-wide prefix sum held in registers.
-MAX_GROUPS_TABLE = 1024
-
-_A_RECIPES = (Recipe.TENSOR, Recipe.ROW, Recipe.GROUP)
-_B_RECIPES = (Recipe.TENSOR, Recipe.ROW, Recipe.BLOCK, Recipe.GROUP)
+# Fixed small facts for the CPU interpreter (4 "SMs" keep persistent grids short).
+INTERPRETER_FACTS = DeviceFacts("triton-interpreter", (9, 0), 4, 227 * 1024, interpreter=True)
 
 
 def _interpreting() -> bool:
@@ -50,47 +63,61 @@ def is_available(device: torch.device) -> bool:
 
 
 def supports(problem: GemmProblem) -> str | None:
-    if problem.a_dtype not in FP8_DTYPES or problem.b_dtype not in FP8_DTYPES:
-        return f"operands must be FP8 (e4m3/e5m2), got {problem.a_dtype} x {problem.b_dtype}"
-    if problem.out_dtype not in OUT_DTYPES:
-        return f"out dtype must be bf16 or fp32, got {problem.out_dtype}"
-    if problem.a_recipe not in _A_RECIPES:
-        return f"A recipe {problem.a_recipe.value} is not one of {[r.value for r in _A_RECIPES]}"
-    if problem.b_recipe not in _B_RECIPES:
-        return f"B recipe {problem.b_recipe.value} is not one of {[r.value for r in _B_RECIPES]}"
-    if problem.has_c and problem.kind is not GemmKind.DENSE:
-        return "c (D = C + A.B^T) is implemented for dense GEMMs only"
-    if problem.kind in (GemmKind.OFFSETS, GemmKind.MASKED) and problem.groups > MAX_GROUPS_TABLE:
-        return f"{problem.kind.value} GEMMs take at most {MAX_GROUPS_TABLE} groups, got {problem.groups}"
-    return None
+    return choose_family(FAMILIES, problem)[1]
 
 
-# ---------------------------------------------------------------------------------------------
-# configs
+def device_facts(device: torch.device) -> DeviceFacts:
+    """The facts the heuristics read: the driver's for a CUDA device (with the set_num_sms cap),
+    INTERPRETER_FACTS otherwise."""
+    if device.type != "cuda":
+        return INTERPRETER_FACTS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_facts(index, _SmCount.override)
 
-_configs: dict[tuple[GemmProblem, DeviceFacts], GemmConfig] = {}
+
+@functools.lru_cache(maxsize=64)
+def _cuda_facts(index: int, sm_cap: int | None) -> DeviceFacts:
+    return DeviceFacts.of(torch.device("cuda", index))  # once per device and SM cap
+
+
+@functools.lru_cache(maxsize=4096)
+def family_for(problem: GemmProblem, facts: DeviceFacts) -> KernelFamily:
+    """The family that runs `problem` on a device with `facts`: the first of FAMILIES that
+    supports it and whose heuristic does not leave it to the next one."""
+    reasons = []
+    for fam in FAMILIES:
+        why = fam.supports(problem) or fam.declines(problem, facts)
+        if why is None:
+            return fam
+        reasons.append(f"{fam.name}: {why}")
+    raise ValueError(f"the Triton backend cannot run {problem}: {'; '.join(reasons)}")
+
+
+_configs: dict[tuple[GemmProblem, DeviceFacts], tuple[KernelFamily, object]] = {}
 _configs_lock = threading.Lock()
 # NOTE: problems are keyed by exact M, so a server with varying batch sizes meets many; the
-# configs are cheap to recompute (choose_config is cached too), so the table is simply cleared.
+# configs are cheap to recompute (the heuristics are cached too), so the table is simply cleared.
 _MAX_CONFIGS = 4096
 
 
-def get_config(problem: GemmProblem, device: torch.device, tune_args: tuple | None = None) -> GemmConfig:
-    """The config this backend launches `problem` with on `device` (autotuned when enabled and
-    `tune_args` = (a, sa, b, sb, out, c, idx) are given; printed once with FP8GEMM_PRINT_CONFIGS).
-    With autotuning on, a call that cannot tune (no tensors given, or under CUDA-graph capture)
-    gets a stored config or else the heuristic's, which is not remembered, so that the next
-    call with tensors, outside a capture, tunes the problem."""
+def launch_config(problem: GemmProblem, device: torch.device,
+                  tune_args: tuple | None = None) -> tuple[KernelFamily, object]:
+    """(family, config) this backend runs `problem` with on `device`: the family from
+    `family_for`, its config from its heuristic, or autotuned when enabled and `tune_args` =
+    (a, sa, b, sb, out, c, index) are given; printed once with FP8GEMM_PRINT_CONFIGS. With
+    autotuning on, a call that cannot tune (no tensors given, or under CUDA-graph capture) gets
+    a stored config or else the heuristic's, which is not remembered, so that the next call
+    with tensors, outside a capture, tunes the problem."""
     facts = device_facts(device)
     key = (problem, facts)
-    cfg = _configs.get(key)
-    if cfg is not None:
-        return cfg
-    how = "heuristic"
-    cfg = choose_config(problem, facts)
+    hit = _configs.get(key)
+    if hit is not None:
+        return hit
+    family = family_for(problem, facts)
+    cfg, how = family.select_config(problem, facts), "heuristic"
     remember = True
     if settings.autotune and device.type == "cuda":
-        tuned = load_tuned(problem, facts)
+        tuned = tuning.load_tuned(family, problem, facts)
         if tuned is not None:
             cfg, how = tuned, "autotune cache"
         elif tune_args is None:
@@ -98,44 +125,21 @@ def get_config(problem: GemmProblem, device: torch.device, tune_args: tuple | No
         elif torch.cuda.is_current_stream_capturing():
             remember, how = False, "heuristic, not tuned under graph capture"
         else:
-            cfg, how = _autotune(problem, facts, tune_args), "autotuned"
+            cfg, how = tuning.autotune(family, problem, facts, tune_args), "autotuned"
             try:
-                store_tuned(problem, facts, cfg)
+                tuning.store_tuned(family, problem, facts, cfg)
             except OSError as e:  # a read-only cache directory costs a re-tune, not the call
                 warnings.warn(f"fp8gemm: autotuned config not stored: {e}", stacklevel=2)
+    plan = (family, cfg)
     if remember:
         with _configs_lock:
             if len(_configs) >= _MAX_CONFIGS:
                 _configs.clear()
-            _configs[key] = cfg
+            _configs[key] = plan
     if settings.print_configs:
-        print(f"[fp8gemm] triton {problem} -> {cfg} ({how}, {facts.name}, {facts.num_sms} SMs)",
-              flush=True)
-    return cfg
-
-
-def _autotune(problem: GemmProblem, facts: DeviceFacts, args: tuple) -> GemmConfig:
-    """Time every candidate on the caller's tensors (into a scratch output, so `out` and a `c`
-    that aliases it stay as they are) and return the fastest; candidates that fail to compile
-    (out of shared memory or registers) are skipped."""
-    from triton.testing import do_bench
-
-    a, sa, b, sb, out, c, idx = args
-    scratch = torch.empty_like(out)
-    best = None
-    for cfg in candidate_configs(problem, facts):
-        def run(cfg=cfg):
-            launch_gemm(problem, cfg, a, sa, b, sb, scratch, c, idx)
-        try:
-            run()
-            t = do_bench(run, warmup=5, rep=25, return_mode="median")
-        except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError):
-            continue
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    if best is None:
-        raise RuntimeError(f"no Triton config compiles for {problem}")
-    return best[1]
+        print(f"[fp8gemm] triton {problem} -> {family.name} {cfg} ({how}, {facts.name}, "
+              f"{facts.num_sms} SMs)", flush=True)
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,8 +147,8 @@ def _autotune(problem: GemmProblem, facts: DeviceFacts, args: tuple) -> GemmConf
 
 
 def _run(problem, a, sa, b, sb, out, c, idx) -> None:
-    cfg = get_config(problem, a.device, (a, sa, b, sb, out, c, idx))
-    launch_gemm(problem, cfg, a, sa, b, sb, out, c, idx)
+    family, cfg = launch_config(problem, a.device, (a, sa, b, sb, out, c, idx))
+    family.run(cfg, problem, a, sa, b, sb, out, c, idx)
 
 
 def fp8_gemm_nt(a, sa, b, sb, out, c, problem: GemmProblem) -> None:

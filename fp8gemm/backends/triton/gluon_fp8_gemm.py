@@ -1,8 +1,8 @@
 """FP8 NT GEMM for sm_90 in Gluon (Triton's tile-level language): A 1x128, B 128x128 scales.
 
 D[m, n] = sum_k A[m, k] * B[g, n, k] * sa[m, k // 128] * sb[g, n // 128, k // 128], FP32
-accumulation; dense, grouped contiguous (the first group of each m tile; the Triton kernel's
-second launch takes the rest) and grouped masked (masked_m read on the GPU).
+accumulation; dense, grouped contiguous (the first group of each m tile; the persistent
+kernel's further-groups launch takes the rest) and grouped masked (masked_m read on the GPU).
 
 Why a second kernel: the fine-grained recipe needs each 128-deep partial sum in registers to
 scale it, and `tl.dot` then waits for its wgmma group right after issuing it, so MMA and
@@ -20,15 +20,16 @@ promotion serialise within a warpgroup (docs/triton.md). Gluon states the waits 
   through shared memory and a TMA store (clipped to `out`) while the next tile's loads
   proceed, others through register stores under their row mask.
 
-Taken by the Triton backend at large M on sm_90 when the rows of A, B and `out` are 16-byte
-aligned and no C is given (config.gluon_eligible); everything else runs
-`fp8_gemm._fp8_gemm_nt_kernel`. Not available under TRITON_INTERPRET (Gluon has no
-interpreter); tests/test_gluon_compile.py compiles it for sm_90 on the CPU.
+A kernel family (`FAMILY`): the Triton backend prefers it at large M on sm_90 where its wave
+model says it is faster (`GluonFamily.declines`); everything else runs the persistent kernel
+(`fp8_gemm`). Not available under TRITON_INTERPRET (Gluon has no interpreter);
+tests/test_gluon_compile.py compiles it for sm_90a on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -37,7 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["launch_gluon_gemm", "gluon_layouts"]
+from ...problem import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
+from ..family import DeviceFacts, KernelFamily
+from . import fp8_gemm
+
+__all__ = ["FAMILY", "GluonConfig", "GluonFamily"]
 
 # NOTE: 2 x 4 consumer warps + 1 loader warp occupy 12 warps' register slots (allocation is per
 # warpgroup): maxnreg = 65536 / 384 rounded down to 8; setmaxnreg then gives the loader
@@ -84,8 +89,8 @@ def _tile_info(tile, num_pid_m, num_pid_n, idx_ptr, M_A, G, MMAX, KIND: gl.const
                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, rows_layout: gl.constexpr):
     """(group, m tile, n tile, whether the tile writes any row) of a linear tile index; a tile
     that writes no row is skipped. Masked: the tiles of group g follow those of g - 1.
-    Contiguous: an m tile computes the first group among its rows' m_indices; the Triton
-    kernel's second launch takes any further groups."""
+    Contiguous: an m tile computes the first group among its rows' m_indices; the persistent
+    kernel's further-groups launch takes any others."""
     if KIND == 3:
         per_group = num_pid_m * num_pid_n
         g = tile // per_group
@@ -305,37 +310,255 @@ def _gluon_fp8_gemm_kernel(a_desc, b_desc, out_desc, out_ptr, sa_ptr, sb_ptr, id
 
 
 # ---------------------------------------------------------------------------------------------
-# launch wrapper
+# config and heuristic
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """One launch of the Gluon kernel: tile, ring depth, L2 grouping, grid size. Its warps are
+    fixed by the kernel: a default partition of 4 (`num_warps`, the first consumer warpgroup)
+    and worker partitions of 4 (the second consumer) and 1 (the TMA loader)."""
+
+    block_m: int
+    block_n: int
+    num_stages: int
+    group_m: int  # m tiles per L2 group of the tile order
+    num_programs: int  # persistent grid size (programs loop over tiles)
+
+    num_warps = 4  # the launch's num_warps: the default partition
+
+    def __post_init__(self) -> None:
+        # NOTE: two consumer warpgroups of 64 rows; a K block is one scale block and an n tile
+        # lies in one 128-wide scale block of B (the kernel's static checks).
+        bad = [f"{name}={getattr(self, name)}" for name, ok in (
+            ("block_m", self.block_m == 128),
+            ("block_n", self.block_n >= 16 and 128 % self.block_n == 0),
+            ("num_stages", self.num_stages >= 2), ("group_m", self.group_m >= 1),
+            ("num_programs", self.num_programs >= 1)) if not ok]
+        if bad:
+            raise ValueError(f"invalid GluonConfig ({', '.join(bad)}): BLOCK_M must be 128, "
+                             f"BLOCK_N a power of two from 16 to 128, stages >= 2, counts positive")
+
+    def __str__(self) -> str:
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} GROUP_M={self.group_m} "
+                f"stages={self.num_stages} warps={self.num_warps}+4+1 "
+                f"programs={self.num_programs}")
+
+
+# Measured on an H200 (DeepSeek-V3 shapes, M = 4096, full waves): the Gluon kernel computes a
+# 128x128 tile 1.2-1.35x as fast as the persistent kernel's large-M configs.
+_SPEEDUP = 1.25
+
+
+@functools.lru_cache(maxsize=4096)
+def select_config(problem: GemmProblem, facts: DeviceFacts) -> GluonConfig:
+    """128x128 tiles with two accumulators per consumer warpgroup (3 x 64 FP32 registers a
+    thread); the ring as deep as shared memory allows next to the epilogue tile; one program
+    per SM, at most one per tile."""
+    epilogue = 128 * 128 * problem.out_dtype.itemsize
+    stages = max(2, min(6, (facts.smem_per_block - epilogue - 1024) // (2 * 128 * SCALE_BLOCK)))
+    tiles = fp8_gemm.output_tiles(problem, 128, 128)
+    return GluonConfig(128, 128, stages, 8, max(1, min(tiles, facts.num_sms)))
+
+
+def _wave_work(problem: GemmProblem, facts: DeviceFacts, block_m: int, block_n: int,
+               num_programs: int) -> float:
+    """Output elements an SM computes over all waves of a large-M launch (wave quantisation:
+    a last wave that fills few SMs costs a whole wave)."""
+    tiles = fp8_gemm.output_tiles(problem, block_m, block_n)
+    per_sm = max(1, num_programs // facts.num_sms)
+    return ceil_div(tiles, per_sm * facts.num_sms) * per_sm * block_m * block_n
+
+
+@functools.lru_cache(maxsize=4096)
+def _declines(problem: GemmProblem, facts: DeviceFacts) -> str | None:
+    if facts.interpreter:
+        return "Gluon has no interpreter"
+    if facts.capability != (9, 0):
+        return f"sm_90 only, got sm_{facts.capability[0]}{facts.capability[1]}"
+    glu = select_config(problem, facts)
+    k_blocks = ceil_div(problem.k, SCALE_BLOCK)
+    if glu.num_programs < facts.num_sms:
+        # NOTE: one partial wave: time is one tile's latency, lower in the Gluon kernel except
+        # for short K, where its fixed cost (warp specialisation, descriptors) shows (H200:
+        # 130x576x7168 29 vs 38 us; 130x576x320 8.1 vs 6.6 us)
+        if k_blocks <= 4:
+            return f"one partial wave with {k_blocks} K blocks: the persistent kernel is faster"
+        return None
+    alt = fp8_gemm.select_config(problem, facts)
+    own = _wave_work(problem, facts, glu.block_m, glu.block_n, glu.num_programs) / _SPEEDUP
+    if own > _wave_work(problem, facts, alt.block_m, alt.block_n, alt.num_programs):
+        return "the persistent kernel's tiles quantise to fewer waves"
+    return None
+
+
+def candidate_configs(problem: GemmProblem, facts: DeviceFacts) -> list[GluonConfig]:
+    """Configs the autotuner times: the heuristic's choice, then one stage fewer."""
+    base = select_config(problem, facts)
+    out = [base]
+    if base.num_stages > 2:
+        out.append(GluonConfig(base.block_m, base.block_n, base.num_stages - 1, base.group_m,
+                               base.num_programs))
+    return out
+
+
+def further_groups_config(cfg: GluonConfig) -> fp8_gemm.PersistentConfig:
+    """The persistent kernel's config for a contiguous GEMM's further-groups launch after the
+    Gluon kernel: the same tile and grid, its pipeline depth capped where that kernel's
+    epilogue needs shared memory too."""
+    return fp8_gemm.PersistentConfig(cfg.block_m, cfg.block_n, cfg.group_m, 1,
+                                     min(cfg.num_stages, fp8_gemm.LARGE_TILE.max_stages),
+                                     fp8_gemm.LARGE_TILE.num_warps, True, cfg.num_programs)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+
+
+_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
+              torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
 @functools.lru_cache(maxsize=None)
-def gluon_layouts(a: torch.dtype, b: torch.dtype, out: torch.dtype, block_m: int, block_n: int,
-                  block_k: int):
+def smem_layouts(a: torch.dtype, b: torch.dtype, out: torch.dtype, block_m: int, block_n: int):
     """Shared-memory layouts of the A and B tiles and of one consumer warpgroup's out box (half
     the tile's rows), 128-byte swizzle where the row allows."""
-    g = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
-         torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-    return (gl.NVMMASharedLayout.get_default_for([block_m, block_k], g[a]),
-            gl.NVMMASharedLayout.get_default_for([block_n, block_k], g[b]),
+    g = _GL_DTYPES
+    return (gl.NVMMASharedLayout.get_default_for([block_m, SCALE_BLOCK], g[a]),
+            gl.NVMMASharedLayout.get_default_for([block_n, SCALE_BLOCK], g[b]),
             gl.NVMMASharedLayout.get_default_for([block_m // 2, block_n], g[out]))
 
 
-def launch_gluon_gemm(kind: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                      sa: torch.Tensor, sb: torch.Tensor, scale_strides: tuple[int, ...],
-                      groups: int, mmax: int, idx: torch.Tensor | None, block_m: int,
-                      block_n: int, stages: int, group_m: int, num_programs: int) -> None:
-    """kind 0 dense, 1 contiguous (idx = m_indices [M]), 3 masked (idx = masked_m [G], A and out
-    rows g * mmax + m). a [rows, K], b [G * N, K], out [rows, N]: row-major, 16-byte aligned
-    rows; scales at any strides, scale_strides = (sa group, row, k, sb group, n block, k)."""
-    k = a.shape[1]
-    n = out.shape[1]
-    la, lb, lo = gluon_layouts(a.dtype, b.dtype, out.dtype, block_m, block_n, 128)
+_KIND = {GemmKind.DENSE: 0, GemmKind.CONTIGUOUS: 1, GemmKind.MASKED: 3}
+
+
+def _launch(cfg: GluonConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
+            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, idx: torch.Tensor | None,
+            mmax: int) -> None:
+    """a [rows, K], b [G * N, K], out [rows, N]: row-major, 16-byte aligned; masked rows are
+    g * mmax + m (mmax: rows of A otherwise)."""
+    k, n = problem.k, problem.n
+    sag, sam, sak = fp8_gemm.scale_strides(sa, problem.a_recipe, problem.kind is GemmKind.MASKED)
+    sbg, sbn, sbk = fp8_gemm.scale_strides(sb, problem.b_recipe,
+                                           problem.kind is not GemmKind.DENSE)
+    la, lb, lo = smem_layouts(a.dtype, b.dtype, out.dtype, cfg.block_m, cfg.block_n)
     # NOTE: each consumer warpgroup stores its 64 rows: out's box is half a tile.
-    a_desc = TensorDescriptor(a, list(a.shape), [k, 1], [block_m, 128], la)
-    b_desc = TensorDescriptor(b, list(b.shape), [k, 1], [block_n, 128], lb)
-    o_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m // 2, block_n],
-                              lo)
-    _gluon_fp8_gemm_kernel[(num_programs,)](
+    a_desc = TensorDescriptor(a, list(a.shape), [k, 1], [cfg.block_m, SCALE_BLOCK], la)
+    b_desc = TensorDescriptor(b, list(b.shape), [k, 1], [cfg.block_n, SCALE_BLOCK], lb)
+    o_desc = TensorDescriptor(out, list(out.shape), [out.stride(0), 1],
+                              [cfg.block_m // 2, cfg.block_n], lo)
+    _gluon_fp8_gemm_kernel[(cfg.num_programs,)](
         a_desc, b_desc, o_desc, out, sa, sb, idx if idx is not None else sa,
-        a.shape[0], n, k, groups, mmax, out.stride(0), *scale_strides,
-        KIND=kind, GROUP_M=group_m, STAGES=stages, num_warps=4, maxnreg=_MAXNREG)
+        a.shape[0], n, k, problem.groups, mmax, out.stride(0), sag, sam, sak, sbg, sbn, sbk,
+        **_meta(cfg, problem))
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta(cfg: GluonConfig, problem: GemmProblem) -> dict:
+    """The launch's constexprs and options (shared: never modified)."""
+    return dict(KIND=_KIND[problem.kind], GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+                num_warps=cfg.num_warps, maxnreg=_MAXNREG)
+
+
+_TRITON_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+                 torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_config(cfg: GluonConfig, problem: GemmProblem, target):
+    """The kernel `cfg` launches for `problem`, compiled ahead of time for `target` (a
+    triton.backends.compiler.GPUTarget; no GPU needed): what the compile checks inspect."""
+    from triton import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ty = _TRITON_TYPES
+    la, lb, lo = smem_layouts(problem.a_dtype, problem.b_dtype, problem.out_dtype, cfg.block_m,
+                              cfg.block_n)
+    fn = _gluon_fp8_gemm_kernel
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(a_desc=f"tensordesc<{ty[problem.a_dtype]}[{cfg.block_m}, {SCALE_BLOCK}],{la!r}>",
+               b_desc=f"tensordesc<{ty[problem.b_dtype]}[{cfg.block_n}, {SCALE_BLOCK}],{lb!r}>",
+               out_desc=f"tensordesc<{ty[problem.out_dtype]}[{cfg.block_m // 2}, {cfg.block_n}],"
+                        f"{lo!r}>",
+               out_ptr=f"*{ty[problem.out_dtype]}", sa_ptr="*fp32", sb_ptr="*fp32",
+               idx_ptr="*i32")
+    meta = dict(_meta(cfg, problem))
+    options = {key: meta.pop(key) for key in ("maxnreg",)}
+    options["num_warps"] = meta["num_warps"]
+    sig.update({name: "constexpr" for name in meta})
+    return triton_compile(GluonASTSource(fn, sig, meta), target=target, options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# the family
+
+
+class GluonFamily(KernelFamily):
+    """The Gluon kernel: sm_90, A 1x128 x B 128x128, dense / contiguous / masked, no C, at
+    large M where it beats the persistent kernel."""
+
+    name = "gluon_fp8_gemm_1d2d"
+    Config = GluonConfig
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        if problem.a_dtype not in FP8_DTYPES or problem.b_dtype not in FP8_DTYPES:
+            return f"operands must be FP8 (e4m3/e5m2), got {problem.a_dtype} x {problem.b_dtype}"
+        if problem.out_dtype not in OUT_DTYPES:
+            return f"out dtype must be bf16 or fp32, got {problem.out_dtype}"
+        if problem.kind not in _KIND:
+            return f"{problem.kind.value} GEMMs are not implemented (dense, contiguous, masked)"
+        if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.BLOCK:
+            return (f"A 1x128 x B 128x128 scales only, got A {problem.a_recipe.value} x "
+                    f"B {problem.b_recipe.value}")
+        if problem.has_c:
+            return "no c (D = C + A.B^T)"
+        # NOTE: TMA rows of A, B (FP8) and out must be multiples of 16 bytes.
+        if problem.k % 16 or problem.k == 0:
+            return f"K must be a positive multiple of 16 for TMA, got {problem.k}"
+        if problem.n * problem.out_dtype.itemsize % 16:
+            return f"out rows must be multiples of 16 bytes for TMA, got N={problem.n}"
+        rows = fp8_gemm.rows_per_group(problem)
+        if rows <= 128:
+            return f"large M only (rows per group > 128), got {rows}"
+        return None
+
+    def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
+        """Why the heuristic leaves a supported problem to the persistent kernel on a device
+        with `facts` (not sm_90; or its wave model says the persistent kernel is faster)."""
+        return _declines(problem, facts)
+
+    def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> GluonConfig:
+        return select_config(problem, facts)
+
+    def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[GluonConfig]:
+        return candidate_configs(problem, facts)
+
+    def run(self, config: GluonConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
+            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
+            index: torch.Tensor | None = None) -> None:
+        """Launch `config` on the current stream; a contiguous GEMM then runs the persistent
+        kernel's further-groups launch (`further_groups_config`). Tensors as the backend
+        contract hands them over; operands at base addresses TMA cannot read from (views at an
+        odd offset) are copied to aligned buffers first, and out through one."""
+        if not isinstance(config, GluonConfig):
+            raise TypeError(f"config must be a GluonConfig, got {type(config).__name__}")
+        if c is not None:
+            raise ValueError("the Gluon kernel takes no c")
+        k, n = problem.k, problem.n
+        masked = problem.kind is GemmKind.MASKED
+        rows = a.shape[0] * (a.shape[1] if masked else 1)
+        if rows == 0 or n == 0:
+            return
+        a2 = fp8_gemm.tma_aligned(a.view(rows, k))
+        b2 = fp8_gemm.tma_aligned(b.view(-1, k))
+        out2 = out.view(rows, n)
+        # NOTE: a copy of out, not an empty buffer: rows the call does not own stay as they are.
+        dst = fp8_gemm.tma_aligned(out2)
+        _launch(config, problem, a2, sa, b2, sb, dst, index, a.shape[1] if masked else rows)
+        if problem.kind is GemmKind.CONTIGUOUS:
+            fp8_gemm.run_further_groups(further_groups_config(config), problem, a2, sa,
+                                        b2.view(b.shape), sb, dst, index)
+        if dst is not out2:
+            out2.copy_(dst)
+
+
+FAMILY = GluonFamily()

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...problem import align, ceil_div
+from ...layout import get_tma_aligned_size
+from ...problem import SCALE_BLOCK, ceil_div
 
 __all__ = ["quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token"]
 
-GROUP = 128  # elements of K per scale
 AMAX_FLOOR = tl.constexpr(1e-4)
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -161,8 +161,9 @@ def _batch_slices(batch: int):
 def _token_scales(lead, m: int, kb: int, col_major: bool, device) -> torch.Tensor:
     if col_major:
         # NOTE: [..., M, kb] with the M stride 1 and each K block's column padded to 16 bytes:
-        # the layout a TMA load of A scales needs (as fp8gemm.layout.get_col_major_tma_aligned_tensor).
-        buf = torch.empty((*lead, kb, align(m, 4)), dtype=torch.float32, device=device)
+        # the layout a TMA load of A scales needs (fp8gemm.layout.is_col_major_tma_aligned).
+        buf = torch.empty((*lead, kb, get_tma_aligned_size(m, 4)), dtype=torch.float32,
+                          device=device)
         return buf[..., :m].transpose(-1, -2)
     return torch.empty((*lead, m, kb), dtype=torch.float32, device=device)
 
@@ -179,7 +180,7 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
     if not _k_offsets_fit(x):
         x = x.contiguous()
     lead, m = tuple(x.shape[:-2]), x.shape[-2]
-    kb = ceil_div(k, GROUP)
+    kb = ceil_div(k, SCALE_BLOCK)
     q = torch.empty((*lead, m, k), dtype=dtype, device=x.device)
     s = _token_scales(lead, m, kb, col_major_scales, x.device)
     if q.numel() == 0:
@@ -193,7 +194,7 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
             xb, qb, sb, m, k, silu_i, xb.stride(0), xb.stride(1), xb.stride(2), qb.stride(0),
             qb.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
             SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **meta,
-            BLOCK_M=block_m, GROUP_K=GROUP, num_warps=4)
+            BLOCK_M=block_m, GROUP_K=SCALE_BLOCK, num_warps=4)
     return q, s
 
 
@@ -227,7 +228,7 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
         w = w.contiguous()
     lead, (n, k) = tuple(w.shape[:-2]), w.shape[-2:]
     q = torch.empty((*lead, n, k), dtype=dtype, device=w.device)
-    s = torch.empty((*lead, ceil_div(n, GROUP), ceil_div(k, GROUP)), dtype=torch.float32,
+    s = torch.empty((*lead, ceil_div(n, SCALE_BLOCK), ceil_div(k, SCALE_BLOCK)), dtype=torch.float32,
                     device=w.device)
     if q.numel() == 0:
         return q, s
@@ -238,5 +239,27 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
         _quant_block_kernel[(sb.shape[1], sb.shape[2], wb.shape[0])](
             wb, qb, sb, n, k, wb.stride(0), wb.stride(1), wb.stride(2), qb.stride(0), qb.stride(1),
             sb.stride(0), sb.stride(1), sb.stride(2),
-            POW2=bool(pow2_scales), BLOCK=GROUP, num_warps=8, **meta)
+            POW2=bool(pow2_scales), BLOCK=SCALE_BLOCK, num_warps=8, **meta)
     return q, s
+
+
+def compile_kernels(target) -> list[tuple[str, object]]:
+    """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul, per block with
+    power-of-two scales) compiled ahead of time for `target` (a
+    triton.backends.compiler.GPUTarget; no GPU needed), with the launches' block sizes and warps:
+    [(name, compiled kernel)]."""
+    from triton.compiler import ASTSource
+
+    meta = dict(_fmt_meta(torch.float8_e4m3fn), SOFT_ROUND=False)
+    cases = [(_quant_rows_kernel, dict(SILU_MUL=True, POW2=False, BLOCK_M=32,
+                                       GROUP_K=SCALE_BLOCK), 4),
+             (_quant_block_kernel, dict(POW2=True, BLOCK=SCALE_BLOCK), 8)]
+    out = []
+    for fn, consts, warps in cases:
+        consts = dict(meta, **consts)
+        sig = {name: "i32" for name in fn.arg_names}
+        sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+        sig.update({name: "constexpr" for name in consts})
+        out.append((fn.__name__, triton.compile(ASTSource(fn, sig, consts), target=target,
+                                                options=dict(num_warps=warps))))
+    return out
