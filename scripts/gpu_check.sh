@@ -19,6 +19,8 @@
 #   TIME_BUDGET=460    seconds for the whole script; the suites share what the tests leave
 #   FP8GEMM_COMMIT     recorded in the results (else git rev-parse, where .git exists). Through the
 #                      device tool, write the hash in literally: the copy's .git there can be stale.
+#   DEEPGEMM_DIR       DeepGEMM's checkout (default .peers/deepgemm): on PYTHONPATH when present, so
+#                      the bench times the `deepgemm` peer (an ignored folder: carry it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +28,10 @@ OUT="${OUT:-/tmp/gpu_check_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEEPGEMM_DIR="${DEEPGEMM_DIR:-$PWD/.peers/deepgemm}"
+if [[ -d "$DEEPGEMM_DIR/deep_gemm" ]]; then
+    export PYTHONPATH="$PYTHONPATH:$DEEPGEMM_DIR" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dg-cache}"
+fi
 export FP8GEMM_CACHE_DIR="${FP8GEMM_CACHE_DIR:-/tmp/fp8gemm-cache}"
 if [[ -z "${FP8GEMM_COMMIT:-}" ]]; then
     FP8GEMM_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
