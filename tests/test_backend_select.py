@@ -10,7 +10,7 @@ import fp8gemm
 from fp8gemm import backends
 from fp8gemm.ops import _common
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe
-from helpers import E4M3, E5M2, make_a, make_b
+from helpers import E4M3, E5M2, make_a, make_b, padded_view
 
 M, N, K = 37, 200, 320
 A = make_a(M, K, "1x128")
@@ -214,12 +214,6 @@ class _SpyBackend:
         self.ref.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, idx, problem)
 
 
-def _strided(t):
-    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype)
-    big[..., :t.shape[-1]] = t
-    return big[..., :t.shape[-1]]
-
-
 @pytest.mark.parametrize("ra", ("tensor", "row", "1x128"))
 @pytest.mark.parametrize("rb", ("tensor", "row", "128x128", "1x128"))
 def test_backends_get_normalised_contiguous_inputs(ra, rb, monkeypatch):
@@ -236,18 +230,18 @@ def test_backends_get_normalised_contiguous_inputs(ra, rb, monkeypatch):
     a, b = make_a(M, K, ra), make_b(N, K, rb)
     # other spellings of the same scales: [] for per-tensor, [M, 1] for per-row A
     respell = {"tensor": lambda s: s.reshape(()), "row": lambda s: s.reshape(-1, 1)}
-    a = (_strided(a[0]), respell.get(ra, lambda s: s)(a[1]))
-    b = (_strided(b[0]), b[1].reshape(()) if rb == "tensor" else b[1])
-    out = _strided(torch.zeros(M, N))
+    a = (padded_view(a[0]), respell.get(ra, lambda s: s)(a[1]))
+    b = (padded_view(b[0]), b[1].reshape(()) if rb == "tensor" else b[1])
+    out = padded_view(torch.zeros(M, N))
     fp8gemm.fp8_gemm_nt(a, b, out)
     bg = make_b(N, K, rb, groups=g)
-    bg = (_strided(bg[0]), bg[1])
+    bg = (padded_view(bg[0]), bg[1])
     idx = torch.zeros(2 * M, dtype=torch.int32)[::2]  # a strided view
     fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, bg, out, idx)
     offs = torch.tensor([0, 9, 5, 9, 5, 9, M], dtype=torch.int32)[::2]  # [0, 5, 5, M], strided
     fp8gemm.m_grouped_fp8_gemm_nt_offsets(a, bg, out, offs)
     am = make_a(M, K, ra, lead=g)
     mm = torch.tensor([1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2]
-    fp8gemm.m_grouped_fp8_gemm_nt_masked((_strided(am[0]), am[1]), bg,
-                                         _strided(torch.zeros(g, M, N)), mm)
+    fp8gemm.m_grouped_fp8_gemm_nt_masked((padded_view(am[0]), am[1]), bg,
+                                         padded_view(torch.zeros(g, M, N)), mm)
     assert spy.calls == [GemmKind.DENSE, GemmKind.CONTIGUOUS, GemmKind.OFFSETS, GemmKind.MASKED]

@@ -12,7 +12,8 @@ import torch
 
 import fp8gemm
 from helpers import (E4M3, FP8_COMBOS, OUT_DTYPES, TOL, assert_close_diff, calc_diff, make_a,
-                     make_b, poisoned, rand_scales, ref_gemm, ref_grouped_rows, ref_masked)
+                     make_b, padded_view, poisoned, rand_scales, ref_gemm, ref_grouped_rows,
+                     ref_masked)
 
 OPS = ("dense", "contiguous", "offsets", "masked")
 A_RECIPES = ("tensor", "row", "1x128")  # values of fp8gemm.problem.Recipe
@@ -165,13 +166,15 @@ def test_n_and_k_zero(op):
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("op", ("dense", "masked"))
 def test_long_k(op, out_dtype):
-    """calc_diff stays under the same K-independent tolerance at K = 16384 as at K = 512."""
+    """The error does not grow with K: under the same K-independent tolerance at K = 16384 as at
+    K = 512, and within 4x of it (bf16 output rounding dominates, and float32 blocked summation
+    grows far slower than K)."""
     diffs = {}
     for k in (512, 16384):
         case = build_case(op, 64, 256, k, "1x128", "128x128", groups=2)
         out = check_case(case, out_dtype, f"K={k}")
         diffs[k] = calc_diff(out[case.written], case.ref[case.written])
-    assert diffs[16384] < TOL[out_dtype], diffs
+    assert diffs[16384] <= 4 * diffs[512], diffs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,23 +327,15 @@ def test_masked_a_scale_shapes_equivalent():
 # Strided (non-contiguous) a, b and out
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """The same values as a non-contiguous view (every row padded by 16 columns)."""
-    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype)
-    big[..., 8 : 8 + t.shape[-1]] = t
-    view = big[..., 8 : 8 + t.shape[-1]]
-    assert not view.is_contiguous()
-    return view
-
-
 @pytest.mark.parametrize("op", OPS)
 def test_strided_views(op):
     """Non-contiguous a, b and out (a row-padded view; a transposed out) give the same bits as
     contiguous ones, and rows of no group stay untouched in a strided out."""
     case = build_case(op, 130, 200, 320, "1x128", "128x128")
     expect = case.call(poisoned(case.out_shape, torch.float32))
-    a, b = (_wide(case.a[0]), case.a[1]), (_wide(case.b[0]), case.b[1])
-    for out in (_wide(poisoned(case.out_shape, torch.float32)),
+    a, b = (padded_view(case.a[0]), case.a[1]), (padded_view(case.b[0]), case.b[1])
+    assert not a[0].is_contiguous() and not b[0].is_contiguous()
+    for out in (padded_view(poisoned(case.out_shape, torch.float32)),
                 poisoned(case.out_shape[::-1], torch.float32).permute(
                     *range(len(case.out_shape) - 1, -1, -1))):
         assert not out.is_contiguous()
