@@ -22,8 +22,10 @@ import functools
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
+from fp8gemm.jit.compiler import CompilerUnavailable, get_compiler
 from fp8gemm.problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
 
 HOPPER_CAPABILITY = (9, 0)
@@ -123,6 +125,14 @@ def hopper_available() -> bool:
                 and torch.cuda.get_device_capability(0) == HOPPER_CAPABILITY)
     except Exception:  # a broken driver or a CPU-only build: no GPU
         return False
+
+
+def compiler_or_skip(name: str | None = None):
+    """The CUDA compiler `name` (None: the one fp8gemm.jit would use), or skip the test."""
+    try:
+        return get_compiler(name)
+    except CompilerUnavailable as e:
+        pytest.skip(f"no CUDA compiler{'' if name is None else ' ' + name} here: {e}")
 
 
 # ---------------------------------------------------------------------------------------------
