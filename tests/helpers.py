@@ -61,10 +61,14 @@ _QUANT = "calc_diff of the dequantised result against the input"
 TOLERANCES = {
     ("gemm", torch.bfloat16): Tolerance(1e-5, _GEMM, (
         "bf16 has 8 significant bits: rounding the output to nearest gives calc_diff ~ 2^-16 / 12 "
-        "= 1.3e-6 (1.4e-6 measured) and at most 2^-16 / 2 = 7.6e-6. The Triton interpreter's "
-        "float32 -> bf16 cast truncates (|d| < 2^-7, one-sided): 2^-14 / 12 = 5.1e-6 (5.5e-6 "
-        "measured), still under the bound. FP32 accumulation adds < 1e-10. One 128x128 B block "
-        "read from its neighbour gives 1.1e-3, a lost 64-wide K tail 2.2e-3.")),
+        "= 1.3e-6 (1.4e-6 measured) and at most 2^-16 / 2 = 7.6e-6. FP32 accumulation adds "
+        "< 1e-10. One 128x128 B block read from its neighbour gives 1.1e-3, a lost 64-wide K "
+        "tail 2.2e-3.")),
+    ("gemm interpreted", torch.bfloat16): Tolerance(4e-5, _GEMM, (
+        "the Triton interpreter's float32 -> bf16 cast truncates: |d| < 2^-7, so calc_diff < "
+        "2^-14 / 2 = 3.1e-5 however the errors fall (5.5e-6 on large outputs; a small output "
+        "whose scales let a few elements dominate reaches 1.2e-5). Errors of 1e-3 and more "
+        "(a wrong scale block, a lost K tail) are still caught.")),
     ("gemm", torch.float32): Tolerance(1e-9, _GEMM, (
         "float32 accumulation of K products in any order errs ~sqrt(K / 2) * 2^-24 relative "
         "(a random walk of roundings against a sum of size sqrt(K)), so calc_diff ~ K * 2^-50: "
@@ -98,6 +102,7 @@ TOLERANCES = {
 # The bounds by the name tests use them under.
 TOL = {dt: TOLERANCES["gemm", dt].bound for dt in OUT_DTYPES}  # GEMM calc_diff per output dtype
 BF16_DIFF, FP32_DIFF = TOL[torch.bfloat16], TOL[torch.float32]
+INTERPRETED_BF16_DIFF = TOLERANCES["gemm interpreted", torch.bfloat16].bound
 QUANT_TOL = {dt: TOLERANCES["quantise", dt].bound for dt in FP8_DTYPES}
 FP8_STEP_FRACTION = TOLERANCES["quantise", "fp8-step"].bound
 BENCH_PEER_TOL = {"torch-bf16": TOLERANCES["bench peer", "torch-bf16"].bound,
