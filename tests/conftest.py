@@ -8,23 +8,12 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 import torch
 
-HOPPER_CAPABILITY = (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def hopper_available() -> bool:
-    """True when torch sees a CUDA device of compute capability 9.0."""
-    try:
-        return (torch.cuda.is_available()
-                and torch.cuda.get_device_capability(0) == HOPPER_CAPABILITY)
-    except Exception:  # a broken driver or a CPU-only build: no GPU
-        return False
+from helpers import hopper_available
 
 
 def pytest_configure(config):

@@ -1,48 +1,120 @@
-"""Test helpers: random FP8 operands per scale recipe and a float64 reference on dequantised inputs.
+"""The test helpers of every test file: random FP8 operands per scale recipe, a float64 reference
+on the dequantised inputs, calc_diff, output checks, and the one table of tolerances.
 
 The reference here is written independently of `fp8gemm.backends.reference` (scales are applied
-by index arithmetic, not by `repeat_interleave`), so the two cannot share a mistake.
+by index arithmetic, not by `repeat_interleave`), so the two cannot share a mistake; it computes
+on the device of its inputs.
 
 Random operands use random fp8 values *and* random scales spread over two octaves either side
 of 1 (log-uniform in [1/4, 4]). Scales computed by quantising random data are all nearly equal,
 so a kernel that read the wrong scale (transposed blocks, an off-by-one group) would still look
 right; independent scales make every such mistake a large error.
+
+Recipes are `fp8gemm.problem.Recipe` members (or their values, "1x128" ...); scale shapes are the
+normalised ones of `Recipe`: per-tensor [1] ([G] for grouped B), per-row [rows], 1x128
+[rows, ceil(K/128)], 128x128 [ceil(N/128), ceil(K/128)], with a leading [G] for grouped B and
+masked A.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
+import pytest
 import torch
 
+from fp8gemm.jit.compiler import CompilerUnavailable, get_compiler
+from fp8gemm.problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
+
+HOPPER_CAPABILITY = (9, 0)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
 FP8_COMBOS = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)]
 OUT_DTYPES = (torch.bfloat16, torch.float32)
-A_RECIPES = ("tensor", "row", "1x128")
-B_RECIPES = ("tensor", "column", "128x128", "1x128")
-BLOCK = 128
-
-# Mantissa bits and smallest normal exponent of each format (OCP FP8: e4m3 has 3 mantissa bits
-# and minimum normal 2^-6; e5m2 has 2 and 2^-14).
-_FP8_BITS = {E4M3: (3, -6), E5M2: (2, -14)}
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-
-# calc_diff tolerances for the reference backend against float64 on dequantised inputs.
-# bf16 out: the contract's bound (DESIGN.md section 2). Rounding to bf16 alone costs about
-#   E[delta^2]/2 with |delta| <= 2^-9 relative, i.e. ~5e-7, so 1e-5 leaves a 20x margin.
-# fp32 out: float32 accumulation over K terms errs ~sqrt(K) * 2^-24 relative (random walk), so
-#   calc_diff ~ K * 2^-48 ~ 3e-11 at K = 16384; 1e-9 is 30x that. A kernel that kept only ~14
-#   bits of the FP8 product sum (no promotion every 128 of K) gives ~K * 2^-28 ~ 6e-5: caught.
-TOL = {torch.bfloat16: 1e-5, torch.float32: 1e-9}
+FP8_MAX = {d: torch.finfo(d).max for d in FP8_DTYPES}  # e4m3 448, e5m2 57344
 
 
-def ceil_div(x: int, y: int) -> int:
-    return (x + y - 1) // y
+# ---------------------------------------------------------------------------------------------
+# Tolerances
+#
+# calc_diff(x, y) = sum((x - y)^2) / sum(x^2 + y^2): for y = x (1 + d) it is about half the mean
+# of d^2 weighted by x^2. Rounding to nearest with p significant bits moves x in [1, 2) by at most
+# 2^-p, evenly spread, so E[(x - y)^2] = 2^-2p / 3 against E[x^2] ~ 2: calc_diff ~ 2^-2p / 12, and
+# at most 2^-2p / 2 however the errors fall. Measured values below: GEMMs on this module's random
+# operands at K = 7168, quantisation on normal data.
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A bound a test checks: what it measures, and why it is that number."""
+
+    bound: float
+    measure: str
+    basis: str
+
+
+_GEMM = "calc_diff of the output against float64 on the dequantised inputs"
+_QUANT = "calc_diff of the dequantised result against the input"
+
+TOLERANCES = {
+    ("gemm", torch.bfloat16): Tolerance(1e-5, _GEMM, (
+        "bf16 has 8 significant bits: rounding the output to nearest gives calc_diff ~ 2^-16 / 12 "
+        "= 1.3e-6 (1.4e-6 measured) and at most 2^-16 / 2 = 7.6e-6. FP32 accumulation adds "
+        "< 1e-10. One 128x128 B block read from its neighbour gives 1.1e-3, a lost 64-wide K "
+        "tail 2.2e-3.")),
+    ("gemm interpreted", torch.bfloat16): Tolerance(4e-5, _GEMM, (
+        "the Triton interpreter's float32 -> bf16 cast truncates: |d| < 2^-7, so calc_diff < "
+        "2^-14 / 2 = 3.1e-5 however the errors fall (5.5e-6 on large outputs; a small output "
+        "whose scales let a few elements dominate reaches 1.2e-5). Errors of 1e-3 and more "
+        "(a wrong scale block, a lost K tail) are still caught.")),
+    ("gemm", torch.float32): Tolerance(1e-9, _GEMM, (
+        "float32 accumulation of K products in any order errs ~sqrt(K / 2) * 2^-24 relative "
+        "(a random walk of roundings against a sum of size sqrt(K)), so calc_diff ~ K * 2^-50: "
+        "1.5e-11 at K = 16384, 60x under the bound; blocked summation errs less (7e-14 "
+        "measured at K = 16384 on the CPU). One bf16 rounding anywhere on the path (~1e-6) is "
+        "caught.")),
+    ("bench peer", "torch-bf16"): Tolerance(1e-4, _GEMM, (
+        "the dequantised inputs rounded to bf16 (8 significant bits) before a float32 matmul: two "
+        "independent input roundings and the output's give calc_diff ~ 3 * 2^-16 / 12 = 3.8e-6 "
+        "(4e-6 measured). The bound only has to tell a right call from a wrong one (a transposed "
+        "operand or a missed scale gives ~1).")),
+    ("bench peer", "other quantisation"): Tolerance(2e-3, _GEMM, (
+        "a peer that quantises the same bf16 sources itself (per-tensor or per-row e4m3 scales): "
+        "its rounding of each operand and ours are independent, so calc_diff ~ 4 * 2^-8 / 12 = "
+        "1.3e-3 (1.2e-3 to 1.3e-3 measured with both scalings).")),
+    ("quantise", E4M3): Tolerance(1e-3, _QUANT, (
+        "e4m3 has 4 significant bits: round to nearest gives calc_diff ~ 2^-8 / 12 = 3.3e-4 "
+        "(3.5e-4 measured), 3x under the bound; a scale off by 2x gives 0.2.")),
+    ("quantise", E5M2): Tolerance(1e-2, _QUANT, (
+        "e5m2 has 3 significant bits: calc_diff ~ 2^-6 / 12 = 1.3e-3 (1.4e-3 measured) and at "
+        "most 2^-6 / 2 = 7.8e-3.")),
+    ("quantise", "fp8-step"): Tolerance(1e-3, (
+        "fraction of elements one fp8 step from the quantisation spec (none further)"), (
+        "a kernel that forms x / scale as x * (1 / scale), or rounds to the fp8 grid in its own "
+        "float32 arithmetic (the Triton interpreter's fp8 cast does not round to nearest), "
+        "agrees with the spec but for values within one float32 rounding of a midpoint between "
+        "two fp8 values, which go either way: rare, 1 in 1000 allowed. A wrong scale moves most "
+        "elements by more than one step.")),
+}
+
+# The bounds by the name tests use them under.
+TOL = {dt: TOLERANCES["gemm", dt].bound for dt in OUT_DTYPES}  # GEMM calc_diff per output dtype
+BF16_DIFF, FP32_DIFF = TOL[torch.bfloat16], TOL[torch.float32]
+INTERPRETED_BF16_DIFF = TOLERANCES["gemm interpreted", torch.bfloat16].bound
+QUANT_TOL = {dt: TOLERANCES["quantise", dt].bound for dt in FP8_DTYPES}
+FP8_STEP_FRACTION = TOLERANCES["quantise", "fp8-step"].bound
+BENCH_PEER_TOL = {"torch-bf16": TOLERANCES["bench peer", "torch-bf16"].bound,
+                  "other quantisation": TOLERANCES["bench peer", "other quantisation"].bound}
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """1 - 2 sum(xy) / sum(x^2 + y^2) in float64 (DeepGEMM's measure); 0 when equal or both 0."""
+    """1 - 2 sum(xy) / sum(x^2 + y^2) in float64; 0 when equal or both 0. Written here, not
+    imported, so the tests of `fp8gemm.calc_diff` have something to compare with."""
+    if x.shape != y.shape:
+        raise ValueError(f"calc_diff needs two tensors of one shape, got {list(x.shape)} and "
+                         f"{list(y.shape)}")
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum().item()
     if denom == 0.0:
@@ -50,133 +122,223 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return 1.0 - 2.0 * (x * y).sum().item() / denom
 
 
+@functools.lru_cache(maxsize=None)
+def hopper_available() -> bool:
+    """True when torch sees a CUDA device of compute capability 9.0 (what `gpu` tests need)."""
+    try:
+        return (torch.cuda.is_available()
+                and torch.cuda.get_device_capability(0) == HOPPER_CAPABILITY)
+    except Exception:  # a broken driver or a CPU-only build: no GPU
+        return False
+
+
+def compiler_or_skip(name: str | None = None):
+    """The CUDA compiler `name` (None: the one fp8gemm.jit would use), or skip the test."""
+    try:
+        return get_compiler(name)
+    except CompilerUnavailable as e:
+        pytest.skip(f"no CUDA compiler{'' if name is None else ' ' + name} here: {e}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Random operands
 
 
-def random_fp8(shape, dtype: torch.dtype) -> torch.Tensor:
-    """Random normal values rounded to `dtype` (never all zero)."""
-    return torch.randn(shape).to(dtype)
+def _device_gen(device, gen):
+    """A generator on `device` seeded from `gen` (so GPU inputs are drawn on the GPU)."""
+    if gen is None or torch.device(device).type == "cpu":
+        return gen
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    return torch.Generator(device=device).manual_seed(seed)
 
 
-def random_scales(shape) -> torch.Tensor:
+def rand_fp8(shape, dtype: torch.dtype, device="cpu", gen=None) -> torch.Tensor:
+    """Normal values times 16, rounded to `dtype`: most land on normal fp8 numbers (e4m3's
+    smallest normal is 2^-6), none beyond e4m3's range."""
+    x = torch.randn(shape, generator=_device_gen(device, gen), device=device)
+    return (x * 16).clamp(-400, 400).to(dtype)
+
+
+def rand_scales(shape, device="cpu", gen=None) -> torch.Tensor:
     """float32 scales log-uniform in [1/4, 4]."""
-    return torch.exp2(torch.empty(shape).uniform_(-2.0, 2.0))
+    u = torch.rand(shape, generator=_device_gen(device, gen), device=device)
+    return torch.exp2(u * 4.0 - 2.0)
 
 
-def scale_shape_a(recipe: str, m: int, k: int, lead: tuple = ()) -> tuple:
-    """A's scale shape for a recipe; `lead` is (G,) for masked A (per-tensor stays [])."""
-    if recipe == "tensor":
-        return ()
-    if recipe == "row":
-        return lead + (m,)
-    if recipe == "1x128":
-        return lead + (m, ceil_div(k, BLOCK))
-    raise ValueError(recipe)
+def col_major_tma(s: torch.Tensor) -> torch.Tensor:
+    """The same [..., M, kb] scales column-major with M padded to 4 floats (16 bytes): strides
+    (..., 1, align(M, 4)), the layout quantize_per_token writes and the sm90 kernels read."""
+    m, kb = s.shape[-2:]
+    buf = torch.empty(s.shape[:-2] + (kb, ceil_div(m, 4) * 4), dtype=s.dtype, device=s.device)
+    buf[..., :m] = s.transpose(-1, -2)
+    return buf[..., :m].transpose(-1, -2)
 
 
-def scale_shape_b(recipe: str, n: int, k: int, lead: tuple = ()) -> tuple:
-    """B's scale shape for a recipe; `lead` is (G,) for grouped B."""
-    if recipe == "tensor":
-        return lead if lead else ()
-    if recipe == "column":
-        return lead + (n,)
-    if recipe == "128x128":
-        return lead + (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
-    if recipe == "1x128":
-        return lead + (n, ceil_div(k, BLOCK))
-    raise ValueError(recipe)
+def a_scales(recipe, m: int, k: int, device="cpu", lead: int | None = None, col_major=False,
+             gen=None) -> torch.Tensor:
+    """Normalised A scales; `lead` = G for masked A ([G, Mmax, ...]; per-tensor stays [1]);
+    `col_major` gives 1x128 scales in the layout of `col_major_tma`."""
+    recipe = Recipe(recipe)
+    pre = [] if lead is None else [lead]
+    if recipe is Recipe.TENSOR:
+        return rand_scales([1], device, gen)
+    if recipe is Recipe.ROW:
+        return rand_scales(pre + [m], device, gen)
+    if recipe is not Recipe.GROUP:
+        raise ValueError(f"A scales have no {recipe} recipe")
+    s = rand_scales(pre + [m, ceil_div(k, SCALE_BLOCK)], device, gen)
+    return col_major_tma(s) if col_major else s
 
 
-def make_a(m: int, k: int, recipe: str, dtype=E4M3, lead: tuple = ()):
-    """(A [*lead, M, K] fp8, scale) with random values and scales of `recipe`."""
-    return random_fp8(lead + (m, k), dtype), random_scales(scale_shape_a(recipe, m, k, lead))
+def b_scales(recipe, n: int, k: int, device="cpu", groups: int | None = None,
+             gen=None) -> torch.Tensor:
+    """Normalised B scales; `groups` adds the leading [G] of grouped B (per-tensor: [G])."""
+    recipe = Recipe(recipe)
+    kb, nb = ceil_div(k, SCALE_BLOCK), ceil_div(n, SCALE_BLOCK)
+    pre = [] if groups is None else [groups]
+    shape = {Recipe.TENSOR: pre or [1], Recipe.ROW: pre + [n], Recipe.BLOCK: pre + [nb, kb],
+             Recipe.GROUP: pre + [n, kb]}[recipe]
+    return rand_scales(shape, device, gen)
 
 
-def make_b(n: int, k: int, recipe: str, dtype=E4M3, lead: tuple = ()):
-    """(B [*lead, N, K] fp8, scale) with random values and scales of `recipe`."""
-    return random_fp8(lead + (n, k), dtype), random_scales(scale_shape_b(recipe, n, k, lead))
+def make_a(m: int, k: int, recipe, dtype=E4M3, lead: int | None = None, device="cpu"):
+    """(A [(G,) M, K] fp8, scale) with random values and scales of `recipe`: the pair the public
+    ops take. `lead` = G gives masked A."""
+    shape = (m, k) if lead is None else (lead, m, k)
+    return rand_fp8(shape, dtype, device), a_scales(recipe, m, k, device, lead=lead)
+
+
+def make_b(n: int, k: int, recipe, dtype=E4M3, groups: int | None = None, device="cpu"):
+    """(B [(G,) N, K] fp8, scale) with random values and scales of `recipe`; `groups` = G gives
+    grouped B."""
+    shape = (n, k) if groups is None else (groups, n, k)
+    return rand_fp8(shape, dtype, device), b_scales(recipe, n, k, device, groups=groups)
+
+
+def problem(kind, m, n, k, groups, a, b, ra, rb, out_dtype, has_c=False, expected_m=0):
+    """The GemmProblem of a backend-level call on operands a and b."""
+    return GemmProblem(kind, m, n, k, groups, a.dtype, b.dtype, Recipe(ra), Recipe(rb),
+                       out_dtype, has_c, expected_m or m)
 
 
 # ---------------------------------------------------------------------------------------------
 # float64 reference
 
 
-def dequant(t: torch.Tensor, s: torch.Tensor, recipe: str) -> torch.Tensor:
-    """Real values of a 2-D fp8 operand t [R, K] under `recipe`, in float64.
-
-    recipe: "tensor" (s has one element), "row"/"column" (s [R] or [R, 1]), "1x128"
-    (s [R, ceil(K/128)]), "128x128" (s [ceil(R/128), ceil(K/128)]).
-    """
-    rows, k = t.shape
+def _dequant(t: torch.Tensor, s: torch.Tensor, recipe: Recipe, per_lead_tensor: bool):
+    """float64 values of t [..., R, K] under `recipe`; s has t's leading dims (per-tensor: one
+    scale, or one per leading index when `per_lead_tensor`)."""
+    rows, k = t.shape[-2:]
     x, s = t.double(), s.double()
-    if recipe == "tensor":
-        return x * s.reshape(-1)[0]
-    if recipe in ("row", "column"):
-        return x * s.reshape(rows, 1)
-    kidx = torch.arange(k) // BLOCK
-    if recipe == "1x128":
-        return x * s[:, kidx]
-    if recipe == "128x128":
-        ridx = torch.arange(rows) // BLOCK
-        return x * s[ridx][:, kidx]
-    raise ValueError(recipe)
+    if recipe is Recipe.TENSOR:
+        return x * (s.reshape(t.shape[:-2] + (1, 1)) if per_lead_tensor else s.reshape(()))
+    if recipe is Recipe.ROW:
+        return x * s.reshape(t.shape[:-1] + (1,))
+    kidx = torch.arange(k, device=t.device) // SCALE_BLOCK
+    if recipe is Recipe.GROUP:
+        return x * s[..., kidx]
+    ridx = torch.arange(rows, device=t.device) // SCALE_BLOCK
+    return x * s[..., ridx, :][..., kidx]  # Recipe.BLOCK
 
 
-def ref_gemm(a, b, recipe_a: str, recipe_b: str, c: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 (A * sa) @ (B * sb)^T (+ C) for 2-D operands given as (tensor, scale) pairs."""
-    out = dequant(*a, recipe_a) @ dequant(*b, recipe_b).T
+def dequant_a(a: torch.Tensor, sa: torch.Tensor, recipe) -> torch.Tensor:
+    """float64 [..., M, K] values of A (per-tensor: one scale for every leading index;
+    per-row [..., M] or [..., M, 1]; 1x128 [..., M, ceil(K/128)])."""
+    return _dequant(a, sa, Recipe(recipe), per_lead_tensor=False)
+
+
+def dequant_b(b: torch.Tensor, sb: torch.Tensor, recipe, grouped: bool) -> torch.Tensor:
+    """float64 [(G,) N, K] values of B; `grouped` B has one per-tensor scale per group ([G];
+    [] or [1] is shared by all groups)."""
+    return _dequant(b, sb, Recipe(recipe), per_lead_tensor=grouped and sb.numel() > 1)
+
+
+def ref_gemm(a, sa, ra, b, sb, rb, c: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 (A * sa) @ (B * sb)^T (+ C) for 2-D A and B."""
+    out = dequant_a(a, sa, ra) @ dequant_b(b, sb, rb, False).T
     return out if c is None else out + c.double()
 
 
-def group_scale_b(sb: torch.Tensor, recipe: str, g: int) -> torch.Tensor:
-    """Group g's slice of a grouped B scale ([] per-tensor scales are shared by all groups)."""
-    return sb if sb.dim() == 0 else sb[g]
+def make_dense(m, n, k, ra, rb, device="cpu", da=E4M3, db=E4M3, col_major=False, gen=None):
+    """(a, sa, b, sb, ref) of a dense GEMM: random operands and their float64 result (on
+    `device`)."""
+    a = rand_fp8((m, k), da, device, gen)
+    b = rand_fp8((n, k), db, device, gen)
+    sa = a_scales(ra, m, k, device, col_major=col_major, gen=gen)
+    sb = b_scales(rb, n, k, device, gen=gen)
+    return a, sa, b, sb, ref_gemm(a, sa, ra, b, sb, rb)
 
 
-def ref_grouped_rows(a, b, recipe_a: str, recipe_b: str, group_of_row: torch.Tensor):
-    """float64 rows of a grouped GEMM with A [R, K]: row i uses B[group_of_row[i]]; rows with
+def ref_grouped_rows(a, sa, ra, b, sb, rb, row_groups) -> torch.Tensor:
+    """float64 [M, N] with row m = A[m] @ B[row_groups[m]]^T for grouped B [G, N, K]; rows with
     a group < 0 are NaN (they must not be compared)."""
-    (at, sa), (bt, sb) = a, b
-    a64 = dequant(at, sa, recipe_a)
-    out = torch.full((at.shape[0], bt.shape[1]), float("nan"), dtype=torch.float64)
-    for g in range(bt.shape[0]):
-        rows = (group_of_row == g).nonzero().flatten()
+    ad = dequant_a(a, sa, ra)
+    bd = dequant_b(b, sb, rb, True)
+    row_groups = row_groups.to(a.device)
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.float64,
+                     device=a.device)
+    for g in range(b.shape[0]):
+        rows = (row_groups == g).nonzero().flatten()
         if rows.numel():
-            out[rows] = a64[rows] @ dequant(bt[g], group_scale_b(sb, recipe_b, g), recipe_b).T
+            out[rows] = ad[rows] @ bd[g].T
     return out
 
 
-def ref_masked(a, b, recipe_a: str, recipe_b: str, masked_m) -> torch.Tensor:
-    """float64 [G, Mmax, N] of the masked GEMM; rows at or past masked_m[g] are NaN."""
-    (at, sa), (bt, sb) = a, b
-    g_, mmax, _ = at.shape
-    out = torch.full((g_, mmax, bt.shape[1]), float("nan"), dtype=torch.float64)
-    for g in range(g_):
-        m = int(masked_m[g])
-        if m == 0:
-            continue
-        sag = sa if recipe_a == "tensor" else sa[g, :m]
-        out[g, :m] = ref_gemm((at[g, :m], sag), (bt[g], group_scale_b(sb, recipe_b, g)),
-                              recipe_a, recipe_b)
+def ref_masked(a, sa, ra, b, sb, rb, masked_m) -> torch.Tensor:
+    """float64 [G, Mmax, N] of the masked GEMM on A [G, Mmax, K]; rows at or past masked_m[g]
+    are NaN."""
+    groups, mmax, _ = a.shape
+    out = dequant_a(a, sa, ra) @ dequant_b(b, sb, rb, True).transpose(-1, -2)
+    past = torch.arange(mmax, device=a.device)[None, :] >= masked_m.to(a.device)[:, None]
+    out[past] = float("nan")
     return out
+
+
+def ref_quant_groups(x: torch.Tensor, fmt: str, pow2: bool):
+    """x [..., G, 128] fp32 -> (q, scale [..., G]): the semantics of fp8gemm.quant (scale =
+    amax / fmt max, amax floored at 1e-4; pow2 rounds the scale up to a power of two)."""
+    dtype = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
+    fmax = FP8_MAX[dtype]
+    amax = x.abs().amax(-1).clamp(min=1e-4)
+    scale = amax / fmax
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (x / scale[..., None]).clamp(-fmax, fmax).to(dtype)
+    return q, scale
 
 
 # ---------------------------------------------------------------------------------------------
 # Output checks
 
 
-def poisoned(shape, dtype) -> torch.Tensor:
+def padded_view(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view: every row of a buffer padded by 16 columns, the
+    values 8 columns in (so the view does not start at the buffer's start either)."""
+    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype, device=t.device)
+    view = big[..., 8 : 8 + t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
     """An output buffer full of NaN: any element a kernel fails to write stays NaN."""
-    return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def fp8_half_step(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half the spacing of the fp8 grid at |v| (float64): the most round-to-nearest may move v."""
-    mant, emin = _FP8_BITS[dtype]
-    av = v.double().abs()
-    e = torch.floor(torch.log2(av.clamp_min(2.0 ** emin))).clamp_min(emin)
-    return torch.exp2(e - mant) / 2
+    """Half the spacing of the fp8 grid at |v| (float64): the most round-to-nearest may move v.
+    Below the smallest normal the spacing is that of the smallest binade."""
+    fi = torch.finfo(dtype)
+    e = torch.floor(torch.log2(v.double().abs().clamp_min(fi.tiny)))
+    return torch.exp2(e) * fi.eps / 2
+
+
+def fp8_steps(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """|x - y| in fp8 grid steps for two fp8 tensors of one dtype (int32; +0 and -0 are 0 apart)."""
+    def ordinal(t):
+        bits = t.view(torch.uint8).to(torch.int32)
+        return torch.where(bits >= 0x80, -(bits & 0x7F), bits)
+    return (ordinal(x) - ordinal(y)).abs()
 
 
 def is_pow2(s: torch.Tensor) -> bool:
@@ -189,8 +351,7 @@ def assert_close_diff(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
     """No NaN/Inf in `out` and calc_diff(out, ref) < tol."""
     assert torch.isfinite(out).all(), f"{what}: non-finite output (an element was not written?)"
     d = calc_diff(out, ref)
-    assert d < tol, f"{what}: calc_diff {d:.3e} >= {tol:.0e}"
-    assert math.isfinite(d)
+    assert math.isfinite(d) and d < tol, f"{what}: calc_diff {d:.3e} >= {tol:.0e}"
 
 
 # sm90 configs the heuristic may not pick for the suite, built directly by the tests: 2-CTA multicast

@@ -10,7 +10,7 @@ import fp8gemm
 from fp8gemm import backends
 from fp8gemm.ops import _common
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe
-from helpers import E4M3, E5M2, make_a, make_b
+from helpers import E4M3, E5M2, make_a, make_b, padded_view
 
 M, N, K = 37, 200, 320
 A = make_a(M, K, "1x128")
@@ -43,8 +43,8 @@ def test_env_overrides_auto(fresh):
     with pytest.raises(ValueError, match=r"^backend='cuda' cannot run dense M=37"):
         fp8gemm.fp8_gemm_nt(A, B)
     with pytest.raises(ValueError, match=r"^backend='cuda' cannot run"):
-        fp8gemm.m_grouped_fp8_gemm_nt_masked(make_a(M, K, "1x128", lead=(2,)),
-                                             make_b(N, K, "128x128", lead=(2,)), None,
+        fp8gemm.m_grouped_fp8_gemm_nt_masked(make_a(M, K, "1x128", lead=2),
+                                             make_b(N, K, "128x128", groups=2), None,
                                              torch.tensor([3, 5], dtype=torch.int32))
     # an explicit backend= argument wins over the variable
     assert fp8gemm.fp8_gemm_nt(A, B, backend="reference").shape == (M, N)
@@ -102,15 +102,15 @@ def test_print_configs_once_per_new_problem(fresh, capsys):
 
 def test_no_print_by_default(fresh, capsys):
     fp8gemm.fp8_gemm_nt(A, B)
-    fp8gemm.m_grouped_fp8_gemm_nt_offsets(A, make_b(N, K, "128x128", lead=(2,)), None,
+    fp8gemm.m_grouped_fp8_gemm_nt_offsets(A, make_b(N, K, "128x128", groups=2), None,
                                           torch.tensor([0, 10, M], dtype=torch.int32))
     assert capsys.readouterr().out == ""
 
 
 def test_print_configs_grouped(fresh, capsys):
     fresh.setenv("FP8GEMM_PRINT_CONFIGS", "1")
-    a = make_a(M, K, "row", E5M2, lead=(3,))
-    fp8gemm.m_grouped_fp8_gemm_nt_masked(a, make_b(N, K, "column", lead=(3,)), None,
+    a = make_a(M, K, "row", E5M2, lead=3)
+    fp8gemm.m_grouped_fp8_gemm_nt_masked(a, make_b(N, K, "row", groups=3), None,
                                          torch.tensor([1, 2, 3], dtype=torch.int32), 4)
     line, = capsys.readouterr().out.splitlines()
     assert "masked G=3 M=37 N=200 K=320 expected_m=4" in line
@@ -118,7 +118,7 @@ def test_print_configs_grouped(fresh, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# The scale's shape says the recipe (DESIGN.md section 1)
+# The scale's shape says the recipe
 
 
 @pytest.mark.parametrize("shape,recipe,norm", [
@@ -214,14 +214,8 @@ class _SpyBackend:
         self.ref.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, idx, problem)
 
 
-def _strided(t):
-    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype)
-    big[..., :t.shape[-1]] = t
-    return big[..., :t.shape[-1]]
-
-
 @pytest.mark.parametrize("ra", ("tensor", "row", "1x128"))
-@pytest.mark.parametrize("rb", ("tensor", "column", "128x128", "1x128"))
+@pytest.mark.parametrize("rb", ("tensor", "row", "128x128", "1x128"))
 def test_backends_get_normalised_contiguous_inputs(ra, rb, monkeypatch):
     """Strided a/b/out/index tensors and every scale spelling reach the backend as the contract
     says: contiguous a, b, out; float32 scales in Recipe's normalised shapes; contiguous int32
@@ -234,17 +228,20 @@ def test_backends_get_normalised_contiguous_inputs(ra, rb, monkeypatch):
     monkeypatch.setattr(grouped_mod, "select_backend", lambda *args: spy)
     g = 3
     a, b = make_a(M, K, ra), make_b(N, K, rb)
-    a = (_strided(a[0]), a[1].reshape(M, 1) if ra == "row" else a[1])
-    out = _strided(torch.zeros(M, N))
-    fp8gemm.fp8_gemm_nt(a, (_strided(b[0]), b[1]), out)
-    bg = make_b(N, K, rb, lead=(g,))
-    bg = (_strided(bg[0]), bg[1])
+    # other spellings of the same scales: [] for per-tensor, [M, 1] for per-row A
+    respell = {"tensor": lambda s: s.reshape(()), "row": lambda s: s.reshape(-1, 1)}
+    a = (padded_view(a[0]), respell.get(ra, lambda s: s)(a[1]))
+    b = (padded_view(b[0]), b[1].reshape(()) if rb == "tensor" else b[1])
+    out = padded_view(torch.zeros(M, N))
+    fp8gemm.fp8_gemm_nt(a, b, out)
+    bg = make_b(N, K, rb, groups=g)
+    bg = (padded_view(bg[0]), bg[1])
     idx = torch.zeros(2 * M, dtype=torch.int32)[::2]  # a strided view
     fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, bg, out, idx)
     offs = torch.tensor([0, 9, 5, 9, 5, 9, M], dtype=torch.int32)[::2]  # [0, 5, 5, M], strided
     fp8gemm.m_grouped_fp8_gemm_nt_offsets(a, bg, out, offs)
-    am = make_a(M, K, ra, lead=(g,))
+    am = make_a(M, K, ra, lead=g)
     mm = torch.tensor([1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2]
-    fp8gemm.m_grouped_fp8_gemm_nt_masked((_strided(am[0]), am[1]), bg,
-                                         _strided(torch.zeros(g, M, N)), mm)
+    fp8gemm.m_grouped_fp8_gemm_nt_masked((padded_view(am[0]), am[1]), bg,
+                                         padded_view(torch.zeros(g, M, N)), mm)
     assert spy.calls == [GemmKind.DENSE, GemmKind.CONTIGUOUS, GemmKind.OFFSETS, GemmKind.MASKED]

@@ -37,7 +37,7 @@ def _operands(m=37, n=200, k=320):
 
 def test_warm_call_skips_validation_and_matches(fast_path):
     a, b = _operands()
-    ref = ref_gemm(a, b, "1x128", "128x128")
+    ref = ref_gemm(*a, "1x128", *b, "128x128")
     out = torch.full((37, 200), float("nan"), dtype=torch.bfloat16)
     y1 = fp8gemm.fp8_gemm_nt(a, b, out)
     y2 = fp8gemm.fp8_gemm_nt(a, b, out.fill_(float("nan")))
@@ -48,7 +48,7 @@ def test_warm_call_skips_validation_and_matches(fast_path):
 
 def test_allocated_out_and_c_on_the_fast_path(fast_path):
     a, b = _operands()
-    ref = ref_gemm(a, b, "1x128", "128x128")
+    ref = ref_gemm(*a, "1x128", *b, "128x128")
     c = torch.randn(37, 200)
     for _ in range(2):
         y = fp8gemm.fp8_gemm_nt(a, b, c=c, out_dtype=torch.float32)

@@ -12,7 +12,8 @@ import pytest
 
 from fp8gemm import jit
 from fp8gemm.jit import cache, elf
-from fp8gemm.jit.compiler import CompilerUnavailable, get_compiler
+from fp8gemm.jit.compiler import get_compiler
+from helpers import compiler_or_skip
 
 SOURCE = r"""
 namespace demo {
@@ -24,13 +25,6 @@ __global__ void scale_kernel(float* x, unsigned n) {
 }  // namespace demo
 """
 NAME = "&demo::scale_kernel<3>"
-
-
-def _compiler_or_skip(name: str | None = None):
-    try:
-        return get_compiler(name)
-    except CompilerUnavailable as e:
-        pytest.skip(f"no CUDA compiler here: {e}")
 
 
 @pytest.fixture
@@ -56,10 +50,11 @@ def test_key_changes_with_every_input(tmp_path):
     # A header edit (content, not just the name) changes the key.
     os.utime(inc / "a.cuh", ns=(1, 1))
     (inc / "a.cuh").write_text("// header v2\n")
-    assert jit.cache_key(**base) != k0
+    k1 = jit.cache_key(**base)
+    assert k1 != k0
     # A new header file too.
     (inc / "b.cuh").write_text("// new\n")
-    assert len({k0, jit.cache_key(**base)}) == 2
+    assert jit.cache_key(**base) not in (k0, k1)
 
 
 # --- disk entries ------------------------------------------------------------------------------------
@@ -126,7 +121,7 @@ def _compile_in_child(args):
 
 
 def test_concurrent_compiles_share_one_valid_entry(cache_dir):
-    _compiler_or_skip()
+    compiler_or_skip()
     ctx = mp.get_context("spawn")
     with ctx.Pool(4) as pool:
         results = pool.map(_compile_in_child, [(str(cache_dir), SOURCE, NAME)] * 4)
@@ -140,7 +135,7 @@ def test_concurrent_compiles_share_one_valid_entry(cache_dir):
 
 # --- compiling ---------------------------------------------------------------------------------------
 def test_compile_cache_hit_and_corrupt_rebuild(cache_dir):
-    _compiler_or_skip()
+    compiler_or_skip()
     key, first, path, cached = jit.compile_cached(SOURCE, NAME)
     assert not cached and elf.is_elf(first.cubin)
     assert first.kernel_name in elf.kernel_names(first.cubin)
@@ -153,17 +148,13 @@ def test_compile_cache_hit_and_corrupt_rebuild(cache_dir):
 
 
 def test_compile_error_carries_log(cache_dir):
-    _compiler_or_skip()
+    compiler_or_skip()
     with pytest.raises(jit.CompileError, match="error"):
         jit.compile_cached(SOURCE + "\nthis is not C++;\n", NAME)
 
 
 def test_nvcc_and_nvrtc_agree_on_kernel_name(cache_dir):
-    nvrtc = _compiler_or_skip("nvrtc")
-    try:
-        nvcc = get_compiler("nvcc")
-    except CompilerUnavailable as e:
-        pytest.skip(f"nvcc missing: {e}")
+    nvrtc, nvcc = compiler_or_skip("nvrtc"), compiler_or_skip("nvcc")
     a = nvrtc.compile(SOURCE, NAME, (), (), "sm_90a")
     b = nvcc.compile(SOURCE, NAME, (), (), "sm_90a")
     assert a.kernel_name == b.kernel_name
@@ -216,7 +207,7 @@ def test_cache_ident_covers_fixed_options_and_nvcc_env(monkeypatch):
     assert nvcc.cache_ident != plain
 
 
-def testnvrtc_ident_names_the_loaded_library():
+def test_nvrtc_ident_names_the_loaded_library():
     from fp8gemm.jit.compiler import nvrtc_ident
 
     ident = nvrtc_ident()
@@ -227,7 +218,7 @@ def testnvrtc_ident_names_the_loaded_library():
 
 
 def test_unwritable_cache_dir_warns_and_still_compiles(tmp_path, monkeypatch):
-    _compiler_or_skip()
+    compiler_or_skip()
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(blocker / "cache"))
@@ -237,7 +228,7 @@ def test_unwritable_cache_dir_warns_and_still_compiles(tmp_path, monkeypatch):
 
 
 def test_compile_error_names_the_kernel(cache_dir):
-    _compiler_or_skip()
+    compiler_or_skip()
     with pytest.raises(jit.CompileError, match="scale_kernel<3>"):
         jit.compile_cached(SOURCE + "\nthis is not C++;\n", NAME)
 

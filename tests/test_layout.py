@@ -7,7 +7,7 @@ import torch
 
 import fp8gemm
 from fp8gemm import layout
-from conftest import hopper_available
+from helpers import hopper_available
 
 
 @pytest.mark.parametrize("x,elem,expect", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp8gemm
-from helpers import TOL, assert_close_diff, dequant
+from helpers import TOL, assert_close_diff, dequant_a, dequant_b
 
 FP32 = torch.float32
 
@@ -26,14 +26,14 @@ def routing(t: int, topk: int, groups: int, dropped: bool = False):
 def experts(groups: int, n: int, k: int):
     w = torch.randn(groups, n, k, dtype=torch.bfloat16)
     wq, ws = fp8gemm.quantize_per_block(w)
-    w64 = torch.stack([dequant(wq[g], ws[g], "128x128") for g in range(groups)])
+    w64 = torch.stack([dequant_b(wq[g], ws[g], "128x128", False) for g in range(groups)])
     return (wq, ws), w64
 
 
 def dense_moe(x, ids, weights, w64, keep=None) -> torch.Tensor:
     """float64 sum over kept slots of weight * (x_t quantised per token) @ W_e^T."""
     xq, xs = fp8gemm.quantize_per_token(x)
-    x64 = dequant(xq, xs, "1x128")
+    x64 = dequant_a(xq, xs, "1x128")
     t, topk = ids.shape
     out = torch.zeros(t, w64.shape[1], dtype=torch.float64)
     for i in range(t):

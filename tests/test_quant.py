@@ -9,11 +9,12 @@ import torch.nn.functional as F
 import fp8gemm
 from fp8gemm.layout import get_tma_aligned_size, is_col_major_tma_aligned
 from fp8gemm.quant import AMAX_FLOOR
-from helpers import E4M3, E5M2, FP8_MAX, calc_diff, dequant, fp8_half_step, is_pow2
+from helpers import (E4M3, E5M2, FP8_MAX, FP8_STEP_FRACTION, QUANT_TOL, calc_diff, dequant_b,
+                     fp8_half_step, fp8_steps, is_pow2)
 
 FMTS = {"e4m3": E4M3, "e5m2": E5M2}
 
-# quantiser -> the recipe name `helpers.dequant` uses for its scales
+# quantiser -> the recipe of the scales it returns (`helpers.dequant_b` reads every recipe)
 QUANTISERS = {
     "per_token": (fp8gemm.quantize_per_token, "1x128"),
     "per_block": (fp8gemm.quantize_per_block, "128x128"),
@@ -31,8 +32,8 @@ def wide_range(shape) -> torch.Tensor:
 
 
 def scaled_value(x, s, recipe):
-    """x / scale in float64, scales expanded like dequant does."""
-    return x.double() / dequant(torch.ones_like(x, dtype=torch.float64), s, recipe)
+    """x / scale in float64, scales expanded like dequant_b does."""
+    return x.double() / dequant_b(torch.ones_like(x, dtype=torch.float64), s, recipe, False)
 
 
 @pytest.mark.parametrize("pow2", (False, True), ids=("exact", "pow2"))
@@ -139,8 +140,7 @@ def test_e5m2(name):
     x = wide_range((130, 320))
     q, s = fn(x, "e5m2")
     assert q.dtype == torch.float8_e5m2 and q.float().abs().max() == 57344.0
-    # e5m2 keeps 2 mantissa bits: relative error per element <= 2^-3, calc_diff far below 1e-2
-    assert calc_diff(dequant(q, s, recipe), x) < 1e-2
+    assert calc_diff(dequant_b(q, s, recipe, False), x) < QUANT_TOL[E5M2]
 
 
 def test_irregular_k_and_n():
@@ -158,7 +158,7 @@ def test_irregular_k_and_n():
         for fn, recipe in QUANTISERS.values():
             q, s = fn(xk)
             assert q.shape == (37, k)
-            assert calc_diff(dequant(q, s, recipe), xk) < 1e-3  # e4m3: 3 mantissa bits
+            assert calc_diff(dequant_b(q, s, recipe, False), xk) < QUANT_TOL[E4M3]
 
 
 @pytest.mark.parametrize("name", ("per_token", "per_block", "per_channel"))
@@ -267,8 +267,9 @@ def test_calc_diff():
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_cuda_quantisation_matches_cpu_spec(name, fmt):
     """On a GPU the public quantisers run Triton kernels; the torch code on the CPU is their spec.
-    Scales must agree to float rounding and values to one fp8 step (x/scale computed as a
-    product with the reciprocal may round the other way)."""
+    Scales must agree to float rounding, and values to one fp8 step on a small fraction of the
+    elements (x/scale computed as a product with the reciprocal may round a near-tie the other
+    way)."""
     fn = {"per_token": fp8gemm.quantize_per_token, "per_block": fp8gemm.quantize_per_block,
           "silu_mul": fp8gemm.silu_mul_quantize_per_token}[name]
     x = torch.randn(3, 301, 1000) * 4
@@ -276,6 +277,5 @@ def test_cuda_quantisation_matches_cpu_spec(name, fmt):
     q_gpu, s_gpu = fn(x.cuda(), fmt)
     torch.testing.assert_close(s_gpu.cpu(), s_cpu, rtol=1e-6, atol=0)
     assert s_gpu.stride() == s_cpu.stride()
-    v_cpu, v_gpu = q_cpu.double(), q_gpu.cpu().double()
-    one_step = 2 * fp8_half_step(v_cpu, {"e4m3": E4M3, "e5m2": E5M2}[fmt])
-    assert bool(((v_gpu - v_cpu).abs() <= one_step).all())
+    steps = fp8_steps(q_gpu.cpu(), q_cpu)
+    assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) <= FP8_STEP_FRACTION

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import fp8gemm
-from helpers import (A_RECIPES, B_RECIPES, E4M3, FP8_COMBOS, OUT_DTYPES, TOL,
-                     assert_close_diff, calc_diff, make_a, make_b, poisoned, random_scales,
-                     ref_gemm, ref_grouped_rows, ref_masked)
+from helpers import (E4M3, FP8_COMBOS, OUT_DTYPES, TOL, assert_close_diff, calc_diff, make_a,
+                     make_b, padded_view, poisoned, rand_scales, ref_gemm, ref_grouped_rows,
+                     ref_masked)
 
 OPS = ("dense", "contiguous", "offsets", "masked")
+A_RECIPES = ("tensor", "row", "1x128")  # values of fp8gemm.problem.Recipe
+B_RECIPES = ("tensor", "row", "128x128", "1x128")
 GROUPS = 3
 
 
@@ -60,10 +62,10 @@ def build_case(op: str, m: int, n: int, k: int, ra: str, rb: str, dta=E4M3, dtb=
                groups: int = GROUPS) -> Case:
     if op == "dense":
         a, b = make_a(m, k, ra, dta), make_b(n, k, rb, dtb)
-        return Case(a, b, fp8gemm.fp8_gemm_nt, ref_gemm(a, b, ra, rb),
+        return Case(a, b, fp8gemm.fp8_gemm_nt, ref_gemm(*a, ra, *b, rb),
                     torch.ones(m, dtype=torch.bool), (m, n))
     if op in ("contiguous", "offsets"):
-        a, b = make_a(m, k, ra, dta), make_b(n, k, rb, dtb, lead=(groups,))
+        a, b = make_a(m, k, ra, dta), make_b(n, k, rb, dtb, groups=groups)
         if op == "contiguous":
             idx = contiguous_m_indices(m, groups)
             group_of_row = idx.long()
@@ -76,18 +78,18 @@ def build_case(op: str, m: int, n: int, k: int, ra: str, rb: str, dta=E4M3, dtb=
 
             def fn(a, b, out, **kw):
                 return fp8gemm.m_grouped_fp8_gemm_nt_offsets(a, b, out, offsets, **kw)
-        return Case(a, b, fn, ref_grouped_rows(a, b, ra, rb, group_of_row), group_of_row >= 0,
+        return Case(a, b, fn, ref_grouped_rows(*a, ra, *b, rb, group_of_row), group_of_row >= 0,
                     (m, n))
     if op == "masked":
-        a = make_a(m, k, ra, dta, lead=(groups,))
-        b = make_b(n, k, rb, dtb, lead=(groups,))
+        a = make_a(m, k, ra, dta, lead=groups)
+        b = make_b(n, k, rb, dtb, groups=groups)
         masked_m = random_masked_m(m, groups)
         written = torch.arange(m)[None, :] < masked_m[:, None].long()
 
         def fn(a, b, out, **kw):
             return fp8gemm.m_grouped_fp8_gemm_nt_masked(a, b, out, masked_m,
                                                         expected_m=max(1, m // 2), **kw)
-        return Case(a, b, fn, ref_masked(a, b, ra, rb, masked_m), written, (groups, m, n))
+        return Case(a, b, fn, ref_masked(*a, ra, *b, rb, masked_m), written, (groups, m, n))
     raise ValueError(op)
 
 
@@ -164,13 +166,15 @@ def test_n_and_k_zero(op):
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("op", ("dense", "masked"))
 def test_long_k(op, out_dtype):
-    """calc_diff stays under the same K-independent tolerance at K = 16384 as at K = 512."""
+    """The error does not grow with K: under the same K-independent tolerance at K = 16384 as at
+    K = 512, and within 4x of it (bf16 output rounding dominates, and float32 blocked summation
+    grows far slower than K)."""
     diffs = {}
     for k in (512, 16384):
         case = build_case(op, 64, 256, k, "1x128", "128x128", groups=2)
         out = check_case(case, out_dtype, f"K={k}")
         diffs[k] = calc_diff(out[case.written], case.ref[case.written])
-    assert diffs[16384] < TOL[out_dtype], diffs
+    assert diffs[16384] <= 4 * diffs[512], diffs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +198,7 @@ def test_dense_with_c(out_dtype):
     a, b = make_a(37, 320, "1x128"), make_b(200, 320, "128x128")
     c = torch.randn(37, 200) * 10
     out = fp8gemm.fp8_gemm_nt(a, b, poisoned((37, 200), out_dtype), c=c, backend="reference")
-    assert_close_diff(out, ref_gemm(a, b, "1x128", "128x128", c), TOL[out_dtype], "c")
+    assert_close_diff(out, ref_gemm(*a, "1x128", *b, "128x128", c), TOL[out_dtype], "c")
 
 
 def test_dense_c_is_out():
@@ -203,7 +207,7 @@ def test_dense_c_is_out():
     c = torch.randn(37, 200)
     out = c.clone()
     fp8gemm.fp8_gemm_nt(a, b, out, c=out, backend="reference")
-    assert_close_diff(out, ref_gemm(a, b, "1x128", "128x128", c), TOL[torch.float32], "c is out")
+    assert_close_diff(out, ref_gemm(*a, "1x128", *b, "128x128", c), TOL[torch.float32], "c is out")
     # and on a strided out (transposed view), where the op goes through a contiguous copy
     out_t = c.T.contiguous().T
     fp8gemm.fp8_gemm_nt(a, b, out_t, c=out_t, backend="reference")
@@ -241,17 +245,17 @@ def test_dense_scale_shapes_equivalent(variant):
     m, n, k = 37, 200, 320
     a_t, b_t = make_a(m, k, "tensor")[0], make_b(n, k, "tensor")[0]
     side, kind = variant[0], variant[2:]
-    rec = {"[] vs [1]": "tensor", "[M] vs [M,1]": "row", "[N] vs [N,1]": "column"}[kind]
-    base = random_scales({"tensor": (), "row": (m,), "column": (n,)}[rec])
+    rec = "tensor" if kind == "[] vs [1]" else "row"
+    base = rand_scales(() if rec == "tensor" else (m if side == "A" else n,))
     alt = base.reshape(1) if rec == "tensor" else base.reshape(-1, 1)
-    other = random_scales((m if side == "B" else n, 3))  # a 1x128 scale for the other operand
+    other = rand_scales((m if side == "B" else n, 3))  # a 1x128 scale for the other operand
     outs = []
     for s in (base, alt):
         a, b = ((a_t, s), (b_t, other)) if side == "A" else ((a_t, other), (b_t, s))
         outs.append(fp8gemm.fp8_gemm_nt(a, b, out_dtype=torch.float32, backend="reference"))
     assert torch.equal(outs[0], outs[1])
     ra, rb = (rec, "1x128") if side == "A" else ("1x128", rec)
-    assert_close_diff(outs[0], ref_gemm(a, b, ra, rb), TOL[torch.float32])
+    assert_close_diff(outs[0], ref_gemm(*a, ra, *b, rb), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("layout", (_col_major, _transposed_view, _strided_slice),
@@ -272,7 +276,7 @@ def test_coinciding_readings_k_le_128():
     """With K <= 128 (and N <= 128) an [M, 1] A scale is both per-row and 1x128, and a [1, 1]
     B scale both per-tensor and one 128x128 block: the same arithmetic either way."""
     a_t, b_t = make_a(37, 100, "tensor")[0], make_b(100, 100, "tensor")[0]
-    sa, sb = random_scales((37,)), random_scales(())
+    sa, sb = rand_scales((37,)), rand_scales(())
     x = fp8gemm.fp8_gemm_nt((a_t, sa), (b_t, sb), out_dtype=torch.float32, backend="reference")
     y = fp8gemm.fp8_gemm_nt((a_t, sa[:, None]), (b_t, sb.reshape(1, 1)), out_dtype=torch.float32,
                             backend="reference")
@@ -283,16 +287,16 @@ def test_grouped_b_scale_shapes_equivalent():
     """Grouped per-tensor B scale: [G], [G, 1], and [] / [1] broadcast to every group."""
     m, n, k = 37, 200, 320
     a = make_a(m, k, "1x128")
-    b_t = make_b(n, k, "tensor", lead=(GROUPS,))[0]
+    b_t = make_b(n, k, "tensor", groups=GROUPS)[0]
     idx = contiguous_m_indices(m, GROUPS)
-    s = random_scales(())
+    s = rand_scales(())
     outs = [fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, (b_t, sb), None, idx,
                                                      out_dtype=torch.float32, backend="reference")
             for sb in (s.expand(GROUPS).clone(), s.expand(GROUPS, 1).clone(), s, s.reshape(1))]
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
     # per-column [G, N] vs [G, N, 1]
-    sb = random_scales((GROUPS, n))
+    sb = rand_scales((GROUPS, n))
     x, y = (fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, (b_t, s2), None, idx,
                                                       out_dtype=torch.float32,
                                                       backend="reference")
@@ -303,17 +307,17 @@ def test_grouped_b_scale_shapes_equivalent():
 def test_masked_a_scale_shapes_equivalent():
     """Masked A: per-row [G, Mmax] vs [G, Mmax, 1]; 1x128 row-major vs column-major (3-D)."""
     mmax, n, k = 37, 200, 320
-    b = make_b(n, k, "128x128", lead=(GROUPS,))
+    b = make_b(n, k, "128x128", groups=GROUPS)
     mm = random_masked_m(mmax, GROUPS)
-    a_t = make_a(mmax, k, "tensor", lead=(GROUPS,))[0]
+    a_t = make_a(mmax, k, "tensor", lead=GROUPS)[0]
 
     def run(sa):
         return fp8gemm.m_grouped_fp8_gemm_nt_masked((a_t, sa), b, None, mm,
                                                     out_dtype=torch.float32, backend="reference")
 
-    s = random_scales((GROUPS, mmax))
+    s = rand_scales((GROUPS, mmax))
     assert torch.equal(run(s), run(s[..., None]))
-    s = random_scales((GROUPS, mmax, 3))
+    s = rand_scales((GROUPS, mmax, 3))
     col = _col_major(s)
     assert fp8gemm.layout.is_col_major_tma_aligned(col) and not col.is_contiguous()
     assert torch.equal(run(s), run(col))
@@ -323,23 +327,15 @@ def test_masked_a_scale_shapes_equivalent():
 # Strided (non-contiguous) a, b and out
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """The same values as a non-contiguous view (every row padded by 16 columns)."""
-    big = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype)
-    big[..., 8 : 8 + t.shape[-1]] = t
-    view = big[..., 8 : 8 + t.shape[-1]]
-    assert not view.is_contiguous()
-    return view
-
-
 @pytest.mark.parametrize("op", OPS)
 def test_strided_views(op):
     """Non-contiguous a, b and out (a row-padded view; a transposed out) give the same bits as
     contiguous ones, and rows of no group stay untouched in a strided out."""
     case = build_case(op, 130, 200, 320, "1x128", "128x128")
     expect = case.call(poisoned(case.out_shape, torch.float32))
-    a, b = (_wide(case.a[0]), case.a[1]), (_wide(case.b[0]), case.b[1])
-    for out in (_wide(poisoned(case.out_shape, torch.float32)),
+    a, b = (padded_view(case.a[0]), case.a[1]), (padded_view(case.b[0]), case.b[1])
+    assert not a[0].is_contiguous() and not b[0].is_contiguous()
+    for out in (padded_view(poisoned(case.out_shape, torch.float32)),
                 poisoned(case.out_shape[::-1], torch.float32).permute(
                     *range(len(case.out_shape) - 1, -1, -1))):
         assert not out.is_contiguous()

@@ -11,14 +11,8 @@ import os
 import pytest
 import torch
 
-try:
-    from .test_triton_helpers import (BF16_DIFF, E4M3, E5M2, GemmKind, Recipe, a_scales,
-                                      b_scales, calc_diff, dequant_a, dequant_b, problem,
-                                      rand_fp8, ref_quant_groups)
-except ImportError:
-    from test_triton_helpers import (BF16_DIFF, E4M3, E5M2, GemmKind, Recipe, a_scales, b_scales,
-                                     calc_diff, dequant_a, dequant_b, problem, rand_fp8,
-                                     ref_quant_groups)
+from helpers import (BF16_DIFF, E4M3, E5M2, GemmKind, Recipe, a_scales, b_scales, calc_diff,
+                     dequant_a, dequant_b, problem, rand_fp8, ref_quant_groups)
 
 
 def _gpu_ok() -> bool:

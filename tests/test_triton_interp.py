@@ -21,16 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-try:
-    from .test_triton_helpers import (BF16_DIFF, E4M3, E5M2, FP32_DIFF, GemmKind, Recipe,
-                                      a_scales, b_scales, calc_diff, ceil_div, dequant_a, dequant_b,
-                                      make_dense, problem, rand_fp8, ref_grouped_rows,
-                                      ref_quant_groups)
-except ImportError:
-    from test_triton_helpers import (BF16_DIFF, E4M3, E5M2, FP32_DIFF, GemmKind, Recipe,
-                                     a_scales, b_scales, calc_diff, ceil_div, dequant_a, dequant_b,
-                                     make_dense, problem, rand_fp8, ref_grouped_rows,
-                                     ref_quant_groups)
+from helpers import (E4M3, E5M2, FP32_DIFF, GemmKind, Recipe, a_scales, b_scales, calc_diff,
+                     ceil_div, dequant_a, dequant_b, make_dense, problem, rand_fp8,
+                     ref_grouped_rows, ref_quant_groups)
+from helpers import INTERPRETED_BF16_DIFF as BF16_DIFF  # the interpreter's bf16 cast truncates
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 CPU = torch.device("cpu")

@@ -18,8 +18,8 @@ from helpers import make_a, make_b
 M, N, K, G = 8, 64, 256, 2  # ceil(K/128) = 2, ceil(N/128) = 1
 A = make_a(M, K, "1x128")
 B = make_b(N, K, "128x128")
-BG = make_b(N, K, "128x128", lead=(G,))
-AM = make_a(M, K, "1x128", lead=(G,))
+BG = make_b(N, K, "128x128", groups=G)
+AM = make_a(M, K, "1x128", lead=G)
 IDX = torch.tensor([0, 0, 0, -1, 1, 1, -1, -1], dtype=torch.int32)
 OFFS = torch.tensor([0, 3, M], dtype=torch.int32)
 MASKED = torch.tensor([3, M], dtype=torch.int32)
@@ -92,9 +92,9 @@ CASES = [
     # -- shape -----------------------------------------------------------------------------
     ("k-mismatch", lambda: dense(b=make_b(N, K + 1, "128x128")), ValueError,
      r"^b must be \[N, K\] with K = 256 as in a, got \[64, 257\]"),
-    ("grouped-k-mismatch", lambda: contiguous(b=make_b(N, 128, "128x128", lead=(G,))),
+    ("grouped-k-mismatch", lambda: contiguous(b=make_b(N, 128, "128x128", groups=G)),
      ValueError, r"^b must be \[G, N, K\] with K = 256"),
-    ("masked-groups-mismatch", lambda: masked(b=make_b(N, K, "128x128", lead=(G + 1,))),
+    ("masked-groups-mismatch", lambda: masked(b=make_b(N, K, "128x128", groups=G + 1)),
      ValueError, r"^b must be \[G, N, K\] with G = 2 as in a, got \[3, 64, 256\]"),
     ("m_indices-shape", lambda: contiguous(m_indices=IDX[:5]), ValueError,
      r"^m_indices must have shape \[8\], got \[5\]"),
@@ -186,12 +186,11 @@ def test_rejects(fn, exc, pattern):
 
 
 def test_valid_inputs_pass():
-    """The inputs the cases above break are themselves valid (so each case tests one rule)."""
-    dense()
-    dense(c=torch.zeros(M, N))
-    contiguous()
-    offsets()
-    masked()
+    """The inputs the cases above break are themselves valid (so each case tests one rule): each
+    call returns a finite result of the op's shape."""
+    for out, shape in ((dense(), (M, N)), (dense(c=torch.zeros(M, N)), (M, N)),
+                       (contiguous(), (M, N)), (offsets(), (M, N)), (masked(), (G, M, N))):
+        assert out.shape == shape and torch.isfinite(out).all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..problem import GemmProblem, Recipe
+from ..problem import SCALE_BLOCK, GemmProblem, Recipe
 
 NAME = "reference"
-_BLOCK = 128
 
 
 def is_available(device: torch.device) -> bool:
@@ -30,9 +29,10 @@ def expand_scale(scale: torch.Tensor, recipe: Recipe, rows: int, k: int) -> torc
     if recipe is Recipe.ROW:
         return scale.reshape(rows, 1)
     if recipe is Recipe.GROUP:
-        return scale.repeat_interleave(_BLOCK, dim=-1)[:, :k]
+        return scale.repeat_interleave(SCALE_BLOCK, dim=-1)[:, :k]
     if recipe is Recipe.BLOCK:
-        return scale.repeat_interleave(_BLOCK, dim=-2).repeat_interleave(_BLOCK, dim=-1)[:rows, :k]
+        blocks = scale.repeat_interleave(SCALE_BLOCK, dim=-2)
+        return blocks.repeat_interleave(SCALE_BLOCK, dim=-1)[:rows, :k]
     raise ValueError(f"unknown recipe {recipe}")
 
 
