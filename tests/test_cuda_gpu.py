@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS, calc_diff
+from helpers import FORCED_CONFIGS, TOL, calc_diff, col_major_tma, rand_scales, ref_gemm
 
 pytestmark = pytest.mark.gpu
 
 E4M3 = torch.float8_e4m3fn
-TOL_BF16 = 1e-5
+TOL_BF16 = TOL[torch.bfloat16]
 
 # DeepSeek-V3 dense shapes (the bench suite's), then awkward ones.
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -27,38 +27,19 @@ AWKWARD_SHAPES = [(1, 576, 320), (37, 576, 320), (130, 576, 320), (37, 200, 336)
                   (257, 1000, 4096), (4000, 7168, 2048), (600, 576, 16384)]
 
 
-# --- helpers --------------------------------------------------------------------------------------
-def random_scales(shape, device) -> torch.Tensor:
-    return torch.exp2(torch.empty(shape, device=device).uniform_(-2.0, 2.0))
-
-
-def col_major_tma(s: torch.Tensor) -> torch.Tensor:
-    """[M, kb] scales in the kernel layout: column-major, M padded to a multiple of 4."""
-    m, kb = s.shape
-    mp = (m + 3) // 4 * 4
-    buf = torch.empty((kb, mp), dtype=s.dtype, device=s.device)
-    buf[:, :m] = s.t()
-    return buf[:, :m].t()
-
-
 def make_operands(m: int, n: int, k: int, device, sa_layout: str = "col"):
     a = torch.randn(m, k, device=device).to(E4M3)
     b = torch.randn(n, k, device=device).to(E4M3)
-    sa = random_scales((m, ceil_div(k, 128)), device)
-    sb = random_scales((ceil_div(n, 128), ceil_div(k, 128)), device)
+    sa = rand_scales((m, ceil_div(k, 128)), device)
+    sb = rand_scales((ceil_div(n, 128), ceil_div(k, 128)), device)
     if sa_layout == "col":
         sa = col_major_tma(sa)
     return a, sa, b, sb
 
 
 def reference(a, sa, b, sb) -> torch.Tensor:
-    """float64 (A * sa) @ (B * sb)^T on the dequantised inputs, computed on the GPU."""
-    m, k = a.shape
-    n = b.shape[0]
-    kidx = torch.arange(k, device=a.device) // 128
-    a64 = a.double() * sa.double()[:, kidx]
-    b64 = b.double() * sb.double()[torch.arange(n, device=a.device) // 128][:, kidx]
-    return a64 @ b64.t()
+    """float64 (A * sa) @ (B * sb)^T on the dequantised inputs."""
+    return ref_gemm(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK)
 
 
 def dense_problem(m: int, n: int, k: int) -> GemmProblem:

@@ -17,18 +17,15 @@ import pytest
 import torch
 
 import fp8gemm
-from fp8gemm.problem import ceil_div
-from helpers import calc_diff
+from fp8gemm.problem import Recipe, ceil_div
+from helpers import TOL, calc_diff, rand_scales, ref_grouped_rows
 
 pytestmark = pytest.mark.gpu
 
 E4M3 = torch.float8_e4m3fn
-TOL_BF16 = 1e-5
+TOL_BF16 = TOL[torch.bfloat16]
 NAN = float("nan")
-
-
-def scales(shape, device) -> torch.Tensor:
-    return torch.exp2(torch.empty(shape, device=device).uniform_(-2.0, 2.0))
+scales = rand_scales
 
 
 def grouped_b(g: int, n: int, k: int, device):
@@ -37,27 +34,9 @@ def grouped_b(g: int, n: int, k: int, device):
     return b, sb
 
 
-def dequant_b(b, sb) -> torch.Tensor:
-    g, n, k = b.shape
-    kidx = torch.arange(k, device=b.device) // 128
-    nidx = torch.arange(n, device=b.device) // 128
-    return b.double() * sb.double()[:, nidx][:, :, kidx]
-
-
-def dequant_a(a, sa) -> torch.Tensor:
-    kidx = torch.arange(a.shape[-1], device=a.device) // 128
-    return a.double() * sa.double()[..., kidx]
-
-
 def reference_rows(a, sa, b, sb, groups: torch.Tensor) -> torch.Tensor:
-    """float64 out[i] = A[i] . B[groups[i]]^T for rows with a group (others 0)."""
-    a64, b64 = dequant_a(a, sa), dequant_b(b, sb)
-    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
-    for g in range(b.shape[0]):
-        rows = (groups == g).nonzero().flatten()
-        if rows.numel():
-            out[rows] = a64[rows] @ b64[g].t()
-    return out
+    """float64 out[i] = A[i] . B[groups[i]]^T for rows with a group (others NaN)."""
+    return ref_grouped_rows(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK, groups)
 
 
 def contiguous_layout(sizes, align: int, device) -> torch.Tensor:
