@@ -386,6 +386,10 @@ GROUPED_SUITE = [  # (kind, rows as stored, groups, expected_m, N, K)
     (GemmKind.MASKED, 256, 4, 256, 4096, 7168), (GemmKind.MASKED, 256, 32, 8, 7168, 2048),
     (GemmKind.MASKED, 128, 8, 3, 4096, 7168), (GemmKind.CONTIGUOUS, 384, 3, 0, 200, 336),
     (GemmKind.OFFSETS, 300, 5, 0, 576, 320),
+    # the bench's skewed MoE cases: decode batches of 32..128 rows per expert, 32 experts
+    (GemmKind.MASKED, 1024, 8, 128, 4096, 7168), (GemmKind.MASKED, 1024, 16, 64, 7168, 2048),
+    (GemmKind.MASKED, 1024, 32, 32, 4096, 7168), (GemmKind.MASKED, 1024, 32, 32, 7168, 2048),
+    (GemmKind.OFFSETS, 32768, 32, 0, 4096, 7168),
 ]
 
 

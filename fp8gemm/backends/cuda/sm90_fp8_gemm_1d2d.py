@@ -42,6 +42,9 @@ BLOCK_M_CHOICES = (64, 128, 256)
 # shapes 256x96 and 256x112 ran 20-28 % slower than 256x128 (more than their wave counts say).
 BLOCK_N_CHOICES_256 = (128, 136)
 MAX_STAGES = 8
+# NOTE: with the grouped scheduler's state live, ptxas spilled 64x96..64x128 tiles at 8 stages
+# (K = 2048: 84 bytes); 7 stages compile clean.
+GROUPED_MAX_STAGES = 7
 MIN_STAGES = 3
 # Tiles per rasterisation band (even: a 2-CTA cluster's two tiles must share a band).
 BAND_SIZE = 16
@@ -169,7 +172,8 @@ class Sm90Config:
 def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
                kind: GemmKind = GemmKind.DENSE) -> int:
     """The deepest pipeline of this tile that fits `smem_limit` bytes (0: none fits)."""
-    for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
+    top = MAX_STAGES if kind is GemmKind.DENSE else GROUPED_MAX_STAGES
+    for s in range(top, MIN_STAGES - 1, -1):
         if smem_bytes(block_m, block_n, s, k, kind) <= smem_limit:
             return s
     return 0
