@@ -17,6 +17,9 @@ from .quant import (DelayedScaling, calc_diff, quantize_per_block, quantize_per_
                     quantize_per_tensor, quantize_per_token,
                     silu_mul_quantize_per_token)
 
+from . import torch_ops  # noqa: E402  (registers torch.ops.fp8gemm.*, used while compiling)
+from . import nn  # noqa: E402  (fp8gemm.nn: Fp8Linear, Fp8MoE, convert)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -29,5 +32,5 @@ __all__ = [
     "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms",
     "ContiguousLayout", "MaskedLayout", "moe_dispatch_contiguous", "moe_combine_contiguous",
     "moe_dispatch_masked", "moe_combine_masked",
-    "GemmKind", "GemmProblem", "Recipe", "settings", "__version__",
+    "GemmKind", "GemmProblem", "Recipe", "settings", "nn", "torch_ops", "__version__",
 ]

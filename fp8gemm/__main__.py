@@ -78,16 +78,16 @@ def main(argv: list[str] | None = None) -> int:
                    "GPU, 64,512,7168 on a CPU so Triton's interpreter stays quick)")
     p.add_argument("--no-bench", action="store_true", help="on a GPU, skip the short benchmark")
     args = p.parse_args(argv)
-    if args.check:
-        from .check import report
-
-        return report()
     import torch
 
     if not torch.cuda.is_available():
         # NOTE: without a GPU, Triton kernels run in its interpreter; it must be chosen before
-        # triton is first imported.
+        # triton is first imported. The same for --check, so that both report one environment.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.check:
+        from .check import report
+
+        return report()
     shape = args.shape or ("64,2112,7168" if torch.cuda.is_available() else "64,512,7168")
     try:
         m, n, k = (int(v) for v in shape.split(","))
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nShort benchmark (python -m fp8gemm.bench --help for more):", flush=True)
         rc |= bench_main(["--suite", "deepseek-dense", "--quick"]) or 0
     elif not torch.cuda.is_available():
-        print("\nNo CUDA GPU here: the benchmark needs a Hopper GPU "
-              "(python -m fp8gemm --check says what is missing).")
+        print("\nNo CUDA GPU here, so no benchmark: it needs a Hopper GPU (H100/H200/H800). "
+              "python -m fp8gemm --check reports the environment.")
     return rc
 
 

@@ -89,7 +89,12 @@ def report() -> int:
             _line(None, f"backend {name}", f"not importable ({load_error(name)})")
         else:
             avail = mod.is_available(dev)
+            how = (" (Triton's CPU interpreter, TRITON_INTERPRET=1)"
+                   if name == "triton" and dev.type == "cpu" and avail else "")
+            why = ("not available on cpu: Triton runs on the CPU only under TRITON_INTERPRET=1 "
+                   "(python -m fp8gemm sets it when there is no GPU)"
+                   if name == "triton" and dev.type == "cpu" else f"not available on {dev}")
             _line(True if avail else None, f"backend {name}",
-                  f"available on {dev}" if avail else f"not available on {dev}")
+                  f"available on {dev}{how}" if avail else why)
     print("all good" if ok else "some checks failed: see the lines marked FAIL")
     return 0 if ok else 1

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import get_col_major_tma_aligned_tensor
-from .problem import ceil_div
+from .problem import SCALE_BLOCK
 
 __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
            "quantize_per_tensor", "quantize_per_channel", "silu_mul_quantize_per_token",
@@ -21,7 +21,7 @@ __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 AMAX_FLOOR = 1e-4
-_GROUP = 128
+_GROUP = SCALE_BLOCK
 
 
 def fp8_dtype(fmt: str) -> tuple[torch.dtype, float]:
@@ -56,6 +56,36 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fmax: float)
     return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
 
 
+# NOTE: groups are formed without padding: amax over a view of the whole groups plus one over
+# the short last group, and the scales gathered back to the elements by group index (no padded
+# copy of x). Inductor (CPU, torch 2.13) miscompiles group quantisation when a size is not a
+# multiple of 128 (NaN and wrong fp8 values: padding -> unflatten -> amax -> divide -> flatten
+# -> slice, scales broadcast with expand and cut to size, and 128x128 blocks with N < 128 all
+# do it), so under torch.compile the public quantisers run as custom ops and inductor never
+# compiles this code.
+def _group_amax(xa: torch.Tensor, dim: int) -> torch.Tensor:
+    """amax of xa (already non-negative) over groups of 128 along dim, the last group short
+    when the size is not a multiple of 128: size ceil(size/128) along dim."""
+    dim = dim % xa.dim()
+    size = xa.shape[dim]
+    whole, tail = size // _GROUP * _GROUP, size % _GROUP
+    parts = []
+    if whole:
+        groups = xa.narrow(dim, 0, whole).unflatten(dim, (whole // _GROUP, _GROUP))
+        parts.append(groups.amax(dim=dim + 1))
+    if tail:
+        parts.append(xa.narrow(dim, whole, tail).amax(dim=dim, keepdim=True))
+    if not parts:  # size 0: no groups
+        return xa.narrow(dim, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _expand_groups(s: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """s with each entry along dim repeated for the elements of its 128-group, `size` long."""
+    group_of = torch.arange(size, device=s.device) // _GROUP
+    return s.index_select(dim % s.dim(), group_of)
+
+
 def _triton_quant(x: torch.Tensor):
     """The Triton quantisation kernels for a CUDA tensor (one pass over x), else None: the torch
     code below, which is also their specification."""
@@ -80,6 +110,12 @@ def _triton_kernels(device_index: int):
     return kernels
 
 
+def _compiling() -> bool:
+    """Whether torch.compile (or export) is tracing this call: the public quantisers then run as
+    the `torch.ops.fp8gemm` custom ops (see torch_ops), one opaque node each."""
+    return torch.compiler.is_compiling()
+
+
 def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
                        col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations, one scale per 1x128 group along K.
@@ -89,17 +125,14 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
     CUDA kernels read, so passing it costs no conversion.
     """
     _check_input(x, 2)
-    dtype, fmax = fp8_dtype(fmt)
+    fp8_dtype(fmt)
+    if _compiling():
+        return torch.ops.fp8gemm.quantize_per_token(x, fmt, pow2_scales, col_major_scales)
     kernels = _triton_quant(x)
     if kernels is not None:
         return kernels.quantize_per_token(x, fmt, pow2_scales=pow2_scales,
                                           col_major_scales=col_major_scales)
-    k = x.shape[-1]
-    kb = ceil_div(k, _GROUP)
-    xg = F.pad(x.float(), (0, kb * _GROUP - k)).unflatten(-1, (kb, _GROUP))
-    scale = _scale_from_amax(xg.abs().amax(dim=-1), fmax, pow2_scales)
-    q = _cast(xg, scale.unsqueeze(-1), dtype, fmax).flatten(-2)[..., :k]
-    return q.contiguous(), get_col_major_tma_aligned_tensor(scale) if col_major_scales else scale
+    return per_token_torch(x, fmt, pow2_scales, col_major_scales)
 
 
 def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
@@ -109,13 +142,15 @@ def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scal
     _check_input(x, 2)
     if x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
+    fp8_dtype(fmt)
+    if _compiling():
+        return torch.ops.fp8gemm.silu_mul_quantize_per_token(x, fmt, pow2_scales,
+                                                             col_major_scales)
     kernels = _triton_quant(x)
     if kernels is not None:
         return kernels.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
                                                    col_major_scales=col_major_scales)
-    gate, up = x.float().chunk(2, dim=-1)
-    return quantize_per_token(F.silu(gate) * up, fmt, pow2_scales=pow2_scales,
-                              col_major_scales=col_major_scales)
+    return silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales)
 
 
 def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
@@ -125,18 +160,40 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     w [..., N, K] float -> (q [..., N, K] fp8, s [..., ceil(N/128), ceil(K/128)] float32).
     """
     _check_input(w, 2)
-    dtype, fmax = fp8_dtype(fmt)
+    fp8_dtype(fmt)
+    if _compiling():
+        return torch.ops.fp8gemm.quantize_per_block(w, fmt, pow2_scales)
     kernels = _triton_quant(w)
     if kernels is not None:
         return kernels.quantize_per_block(w, fmt, pow2_scales=pow2_scales)
+    return per_block_torch(w, fmt, pow2_scales)
+
+
+# The torch twins of the three quantisers above: their specification, what runs where the
+# Triton kernels do not, and (on fake tensors) the custom ops' shapes and strides.
+
+def per_token_torch(x: torch.Tensor, fmt: str, pow2_scales: bool, col_major_scales: bool):
+    dtype, fmax = fp8_dtype(fmt)
+    xf = x.float()
+    scale = _scale_from_amax(_group_amax(xf.abs(), -1), fmax, pow2_scales)  # [..., M, kb]
+    q = _cast(xf, _expand_groups(scale, -1, x.shape[-1]), dtype, fmax).contiguous()
+    return q, get_col_major_tma_aligned_tensor(scale) if col_major_scales else scale
+
+
+def silu_mul_per_token_torch(x: torch.Tensor, fmt: str, pow2_scales: bool,
+                             col_major_scales: bool):
+    gate, up = x.float().chunk(2, dim=-1)
+    return per_token_torch(F.silu(gate) * up, fmt, pow2_scales, col_major_scales)
+
+
+def per_block_torch(w: torch.Tensor, fmt: str, pow2_scales: bool):
+    dtype, fmax = fp8_dtype(fmt)
     n, k = w.shape[-2:]
-    nb, kb = ceil_div(n, _GROUP), ceil_div(k, _GROUP)
-    wp = F.pad(w.float(), (0, kb * _GROUP - k, 0, nb * _GROUP - n))
-    blocks = wp.unflatten(-1, (kb, _GROUP)).unflatten(-3, (nb, _GROUP))  # [..., nb, 128, kb, 128]
-    scale = _scale_from_amax(blocks.abs().amax(dim=(-3, -1)), fmax, pow2_scales)  # [..., nb, kb]
-    q = _cast(blocks, scale[..., :, None, :, None], dtype, fmax)
-    q = q.flatten(-2).flatten(-3, -2)[..., :n, :k]
-    return q.contiguous(), scale.contiguous()
+    wf = w.float()
+    amax = _group_amax(_group_amax(wf.abs(), -1), -2)  # [..., nb, kb]
+    scale = _scale_from_amax(amax, fmax, pow2_scales)
+    full = _expand_groups(_expand_groups(scale, -2, n), -1, k)
+    return _cast(wf, full, dtype, fmax).contiguous(), scale.contiguous()
 
 
 def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3", *,

@@ -1,10 +1,18 @@
 """The public ops as `torch.library` custom ops, so `torch.compile` traces them as single nodes.
 
-    y = torch.ops.fp8gemm.fp8_gemm_nt(a, sa, b, sb, None, torch.bfloat16)
+    y = torch.ops.fp8gemm.fp8_gemm_nt(a, sa, b, sb)                 # c=None, out_dtype=bf16
+    q, s = torch.ops.fp8gemm.quantize_per_token(x)
 
-Each op has a fake (meta) implementation giving output shapes, dtypes and strides, so graphs
-compile without running kernels. They return new tensors (no `out=`): the functional form that
-compilers want.
+`import fp8gemm` registers them, and the public functions (`fp8gemm.fp8_gemm_nt`,
+`fp8gemm.quantize_per_token`, ...) call them while torch.compile traces, so a compiled function
+written with the public API has one node per op and gives eager's bits. The arguments and their
+defaults are the public functions' (operands as separate tensors; no `out=`: the functional
+form compilers want; grouped ops return zeros in rows no group writes).
+
+Each op has a fake implementation: it runs the public op's own checks on the fake tensors (shape,
+dtype, device and scale-shape errors surface while tracing, with the eager messages) and gives
+the output's shape, dtype and strides. Checks of values (finite scales, indices in range) need
+data, so they do not run while tracing; on the CPU the compiled graph's ops run them when called.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ from typing import Optional
 
 import torch
 
-from . import ops, quant
+from . import quant
+from .ops import gemm as _gemm
+from .ops import grouped as _grouped
 
 __all__ = ["fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
            "m_grouped_fp8_gemm_nt_masked", "quantize_per_token", "silu_mul_quantize_per_token",
@@ -24,91 +34,93 @@ _LIB = "fp8gemm"
 
 @torch.library.custom_op(f"{_LIB}::fp8_gemm_nt", mutates_args=())
 def fp8_gemm_nt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                c: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    return ops.fp8_gemm_nt((a, sa), (b, sb), c=c, out_dtype=out_dtype)
+                c: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                backend: str = "auto") -> torch.Tensor:
+    return _gemm.fp8_gemm_nt((a, sa), (b, sb), c=c, out_dtype=out_dtype, backend=backend)
 
 
 @fp8_gemm_nt.register_fake
-def _(a, sa, b, sb, c, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+def _(a, sa, b, sb, c=None, out_dtype=None, backend="auto"):
+    *_, (m, n, _k), dtype = _gemm.check_dense((a, sa), (b, sb), None, c, out_dtype)
+    return a.new_empty((m, n), dtype=dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::m_grouped_fp8_gemm_nt_contiguous", mutates_args=())
 def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor,
                                      sb: torch.Tensor, m_indices: torch.Tensor,
-                                     out_dtype: torch.dtype) -> torch.Tensor:
-    return ops.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), None, m_indices,
-                                                out_dtype=out_dtype)
+                                     out_dtype: Optional[torch.dtype] = None,
+                                     backend: str = "auto") -> torch.Tensor:
+    return _grouped.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), None, m_indices,
+                                                     out_dtype=out_dtype, backend=backend)
 
 
 @m_grouped_fp8_gemm_nt_contiguous.register_fake
-def _(a, sa, b, sb, m_indices, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+def _(a, sa, b, sb, m_indices, out_dtype=None, backend="auto"):
+    *_, (m, n, _k, _g), _dev, dtype = _grouped.check_contiguous((a, sa), (b, sb), None,
+                                                                m_indices, out_dtype)
+    return a.new_empty((m, n), dtype=dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::m_grouped_fp8_gemm_nt_offsets", mutates_args=())
 def m_grouped_fp8_gemm_nt_offsets(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor,
                                   sb: torch.Tensor, offsets: torch.Tensor,
-                                  out_dtype: torch.dtype) -> torch.Tensor:
-    return ops.m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), None, offsets, out_dtype=out_dtype)
+                                  out_dtype: Optional[torch.dtype] = None,
+                                  backend: str = "auto") -> torch.Tensor:
+    return _grouped.m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), None, offsets,
+                                                  out_dtype=out_dtype, backend=backend)
 
 
 @m_grouped_fp8_gemm_nt_offsets.register_fake
-def _(a, sa, b, sb, offsets, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+def _(a, sa, b, sb, offsets, out_dtype=None, backend="auto"):
+    *_, (m, n, _k, _g), _dev, dtype = _grouped.check_offsets((a, sa), (b, sb), None, offsets,
+                                                             out_dtype)
+    return a.new_empty((m, n), dtype=dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::m_grouped_fp8_gemm_nt_masked", mutates_args=())
 def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor,
-                                 sb: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
-                                 out_dtype: torch.dtype) -> torch.Tensor:
-    return ops.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), None, masked_m, expected_m,
-                                            out_dtype=out_dtype)
+                                 sb: torch.Tensor, masked_m: torch.Tensor,
+                                 expected_m: Optional[int] = None,
+                                 out_dtype: Optional[torch.dtype] = None,
+                                 backend: str = "auto") -> torch.Tensor:
+    return _grouped.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), None, masked_m, expected_m,
+                                                 out_dtype=out_dtype, backend=backend)
 
 
 @m_grouped_fp8_gemm_nt_masked.register_fake
-def _(a, sa, b, sb, masked_m, expected_m, out_dtype):
-    return a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
+def _(a, sa, b, sb, masked_m, expected_m=None, out_dtype=None, backend="auto"):
+    *_, (g, mmax, n, _k), _dev, dtype, _em = _grouped.check_masked(
+        (a, sa), (b, sb), None, masked_m, expected_m, out_dtype)
+    return a.new_empty((g, mmax, n), dtype=dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_per_token", mutates_args=())
-def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3",
-                       pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = quant.quantize_per_token(x, fmt, pow2_scales=pow2_scales)
-    return q, s
+def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False,
+                       col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant.quantize_per_token(x, fmt, pow2_scales=pow2_scales,
+                                    col_major_scales=col_major_scales)
 
 
 @quantize_per_token.register_fake
-def _(x, fmt="e4m3", pow2_scales=False):
-    return _fake_per_token(x, x.shape[-1], fmt)
+def _(x, fmt="e4m3", pow2_scales=False, col_major_scales=True):
+    quant._check_input(x, 2)
+    return quant.per_token_torch(x, fmt, pow2_scales, col_major_scales)
 
 
 @torch.library.custom_op(f"{_LIB}::silu_mul_quantize_per_token", mutates_args=())
-def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3",
-                                pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = quant.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales)
-    return q, s
+def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False,
+                                col_major_scales: bool = True
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return quant.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
+                                             col_major_scales=col_major_scales)
 
 
 @silu_mul_quantize_per_token.register_fake
-def _(x, fmt="e4m3", pow2_scales=False):
-    return _fake_per_token(x, x.shape[-1] // 2, fmt)
-
-
-def _fake_per_token(x: torch.Tensor, k: int, fmt: str):
-    from .layout import get_tma_aligned_size
-    from .problem import ceil_div
-
-    dtype, _ = quant.fp8_dtype(fmt)
-    *lead, m, _ = x.shape
-    kb, mp = ceil_div(k, 128), get_tma_aligned_size(m, 4)
-    lead_strides = []
-    step = kb * mp
-    for d in reversed(lead):
-        lead_strides.insert(0, step)
-        step *= d
-    s = x.new_empty_strided((*lead, m, kb), (*lead_strides, 1, mp), dtype=torch.float32)
-    return x.new_empty((*lead, m, k), dtype=dtype), s
+def _(x, fmt="e4m3", pow2_scales=False, col_major_scales=True):
+    quant._check_input(x, 2)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
+    return quant.silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales)
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_per_block", mutates_args=())
@@ -119,9 +131,5 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3",
 
 @quantize_per_block.register_fake
 def _(w, fmt="e4m3", pow2_scales=False):
-    from .problem import ceil_div
-
-    dtype, _ = quant.fp8_dtype(fmt)
-    *lead, n, k = w.shape
-    return (w.new_empty(w.shape, dtype=dtype),
-            w.new_empty((*lead, ceil_div(n, 128), ceil_div(k, 128)), dtype=torch.float32))
+    quant._check_input(w, 2)
+    return quant.per_block_torch(w, fmt, pow2_scales)

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import torch
 
 from .._settings import settings
-from ..problem import FP8_DTYPES, OUT_DTYPES, Recipe, ceil_div
+from ..problem import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, Recipe, ceil_div
 
-_BLOCK = 128
+_BLOCK = SCALE_BLOCK
 
 # NOTE: the guard torch.compile checks the tensors of its graphs' inputs with: one C++ call
 # compares the metadata of every tensor (~0.4 us for five, where reading it in Python costs
@@ -21,6 +21,13 @@ try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:
     _TensorGuards = None
+
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor  # noqa: E402
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether t is a fake tensor of torch.compile's tracing (metadata, no memory)."""
+    return isinstance(t, _FakeTensor)
 
 
 def shape_str(shape) -> str:
@@ -68,11 +75,13 @@ def resolve_out_dtype(out, out_dtype: torch.dtype | None) -> torch.dtype:
 
 def check_values_now(t: torch.Tensor) -> bool:
     """Value checks read memory: always on the CPU, on a GPU only when FP8GEMM_CHECK_VALUES=1
-    (they synchronise the stream) and never while a CUDA graph is being captured."""
+    (they synchronise the stream), never while a CUDA graph is being captured, and never while
+    torch.compile traces (fake tensors have no values; a compiled graph's custom ops check
+    CPU values when they run)."""
+    if t.device.type == "meta" or torch.compiler.is_compiling() or is_fake(t):
+        return False  # no values to read
     if t.device.type == "cpu":
         return True
-    if t.device.type == "meta":  # no values to read
-        return False
     # NOTE: is_current_stream_capturing raises on a CPU-only torch build; ask only for CUDA.
     return settings.check_values and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 

@@ -1,0 +1,207 @@
+"""DeepGEMM's Python API on fp8gemm: switching is one import.
+
+    import fp8gemm.compat.deep_gemm as deep_gemm
+
+Both generations of DeepGEMM's names are here, with its conventions: operands are (tensor,
+scale) pairs, the output `out`/`d` is always given and written in place, `wgrad` and k-grouped
+calls accumulate into their fp32 output, and `m_indices`, `masked_m` and `expected_m` mean what
+they mean there. Every call goes to the fp8gemm op of the same meaning, so it also takes what
+DeepGEMM refuses (any M, N, K; e5m2; per-tensor and per-channel scales).
+Keyword options that tune DeepGEMM's own kernels (`recipe`, `compiled_dims`,
+`disable_ue8m0_cast`) are accepted and have no effect: fp8gemm picks its kernels itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import layout as _layout
+from .. import ops as _ops
+from ..problem import SCALE_BLOCK, ceil_div
+from ..quant import calc_diff
+
+__all__ = [
+    # DeepGEMM's current names
+    "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+    "k_grouped_fp8_gemm_nt_contiguous",
+    # its older names
+    "gemm_fp8_fp8_bf16_nt", "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
+    "m_grouped_gemm_fp8_fp8_bf16_nt_masked", "wgrad_gemm_fp8_fp8_fp32_nt",
+    "k_grouped_wgrad_gemm_fp8_fp8_fp32_nt",
+    # utilities
+    "ceil_div", "calc_diff", "bench_kineto", "get_col_major_tma_aligned_tensor",
+    "get_tma_aligned_size", "get_m_alignment_for_contiguous_layout",
+    "get_mk_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms", "install",
+]
+
+get_col_major_tma_aligned_tensor = _layout.get_col_major_tma_aligned_tensor
+get_m_alignment_for_contiguous_layout = _layout.get_m_alignment_for_contiguous_layout
+get_mk_alignment_for_contiguous_layout = _layout.get_m_alignment_for_contiguous_layout
+get_num_sms = _layout.get_num_sms
+
+
+def get_tma_aligned_size(x: int, element_size: int = 4) -> int:
+    """x rounded up so that x elements of `element_size` bytes (default fp32) span 16 bytes."""
+    return _layout.get_tma_aligned_size(x, element_size)
+
+
+def set_num_sms(num_sms: int) -> None:
+    """Cap the SMs kernels use; 0 or None restores the device's count (as DeepGEMM's 0 does)."""
+    _layout.set_num_sms(None if num_sms in (0, None) else num_sms)
+
+
+def _check_out(name: str, out) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be the output tensor (DeepGEMM writes in place), got "
+                        f"{type(out).__name__}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# current names
+
+def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *, recipe=None,
+                compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> None:
+    """d = a @ b.T (+ c), a [M, K] and b [N, K] as (fp8, scale) pairs; d bf16 or fp32."""
+    _ops.fp8_gemm_nt(a, b, _check_out("d", d), c=c)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, *,
+                                     recipe=None, compiled_dims: str = "nk",
+                                     disable_ue8m0_cast: bool = False) -> None:
+    """d[i] = a[i] @ b[m_indices[i]].T; rows with m_indices -1 are left as they are."""
+    _ops.m_grouped_fp8_gemm_nt_contiguous(a, b, _check_out("d", d), m_indices)
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
+                                 expected_m: int, *, recipe=None, compiled_dims: str = "nk",
+                                 disable_ue8m0_cast: bool = False) -> None:
+    """d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T, a [G, Mmax, K]."""
+    _ops.m_grouped_fp8_gemm_nt_masked(a, b, _check_out("d", d), masked_m, expected_m)
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks, ks_tensor=None,
+                                     c: torch.Tensor | None = None, *, recipe=None,
+                                     compiled_dims: str = "mn") -> None:
+    """d[g] = c[g] + A_g @ B_g.T for groups whose K sizes are `ks`: A_g [M, ks[g]] and
+    B_g [N, ks[g]] packed one after another in the flat fp8 tensors of a and b, their scales
+    [sum ceil(ks[g]/128), M] and [.., N] (one row per 128 of K). d, c: fp32 [G, M, N];
+    c = None accumulates into d, as DeepGEMM's wgrad does."""
+    d = _check_out("d", d)
+    if c is not None and c is not d:
+        d.copy_(c)
+    _k_grouped(a, b, d, [int(k) for k in ks])
+
+
+# ---------------------------------------------------------------------------------------------
+# older names
+
+def gemm_fp8_fp8_bf16_nt(lhs, rhs, out: torch.Tensor) -> None:
+    """out = lhs @ rhs.T in bf16: lhs [M, K] with 1x128 scales, rhs [N, K] with 128x128."""
+    _ops.fp8_gemm_nt(lhs, rhs, _check_out("out", out))
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out: torch.Tensor,
+                                              m_indices: torch.Tensor) -> None:
+    _ops.m_grouped_fp8_gemm_nt_contiguous(lhs, rhs, _check_out("out", out), m_indices)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_masked(lhs, rhs, out: torch.Tensor, masked_m: torch.Tensor,
+                                          expected_m: int) -> None:
+    _ops.m_grouped_fp8_gemm_nt_masked(lhs, rhs, _check_out("out", out), masked_m, expected_m)
+
+
+def wgrad_gemm_fp8_fp8_fp32_nt(lhs, rhs, out: torch.Tensor) -> None:
+    """out += lhs @ rhs.T in fp32, both operands with 1x128 scales ([M, ceil(K/128)] and
+    [N, ceil(K/128)])."""
+    out = _check_out("out", out)
+    _ops.fp8_gemm_nt(lhs, rhs, out, c=out)
+
+
+def k_grouped_wgrad_gemm_fp8_fp8_fp32_nt(lhs, rhs, out: torch.Tensor, batch_sizes) -> None:
+    """out[g] += A_g @ B_g.T for K sizes `batch_sizes` (see k_grouped_fp8_gemm_nt_contiguous)."""
+    _k_grouped(lhs, rhs, _check_out("out", out), [int(k) for k in batch_sizes])
+
+
+def _k_grouped(a, b, d: torch.Tensor, ks: list[int]) -> None:
+    (a_flat, a_s), (b_flat, b_s) = a, b
+    if d.dim() != 3 or d.shape[0] != len(ks) or d.dtype != torch.float32:
+        raise ValueError(f"d must be fp32 [G, M, N] with G = len(ks) = {len(ks)}, got "
+                         f"{d.dtype} {list(d.shape)}")
+    if any(k < 0 for k in ks):
+        raise ValueError(f"ks must be non-negative K sizes, got {ks}")
+    m, n = d.shape[1], d.shape[2]
+    total_k, total_kb = sum(ks), sum(ceil_div(k, SCALE_BLOCK) for k in ks)
+    for name, flat, rows, s in (("a", a_flat, m, a_s), ("b", b_flat, n, b_s)):
+        if flat.dim() != 1 or flat.numel() != rows * total_k:
+            raise ValueError(f"{name} must be flat with {rows} x sum(ks) = {rows * total_k} "
+                             f"elements, got shape {list(flat.shape)}")
+        if tuple(s.shape) != (total_kb, rows):
+            raise ValueError(f"{name} scales must be [sum ceil(ks/128), {rows}] = "
+                             f"[{total_kb}, {rows}], got {list(s.shape)}")
+    # NOTE: one GEMM per group, as DeepGEMM's own k-grouped call launches; each group's scales
+    # [kb, rows] transposed are the [rows, kb] 1x128 recipe, already column-major.
+    off = soff = 0
+    for g, k in enumerate(ks):
+        kb = ceil_div(k, SCALE_BLOCK)
+        if k:
+            a_g = a_flat[off * m:(off + k) * m].view(m, k)
+            b_g = b_flat[off * n:(off + k) * n].view(n, k)
+            _ops.fp8_gemm_nt((a_g, a_s[soff:soff + kb].T), (b_g, b_s[soff:soff + kb].T), d[g],
+                             c=d[g])
+        off, soff = off + k, soff + kb
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+def bench_kineto(fn, kernel_names=None, num_tests: int = 30, suppress_kineto_output: bool = False,
+                 trace_path: str | None = None, flush_l2: bool = True,
+                 with_multiple_kernels: bool = False, **_unused):
+    """Seconds of device time per call of fn, from the profiler (CUDA), L2 flushed before each.
+
+    fp8gemm's kernels are not named as DeepGEMM's, so the time is that of every kernel fn
+    launches (the flush excluded); `kernel_names` is accepted for compatibility, and a tuple
+    of names gets a tuple of that one time. On a machine without CUDA it is wall time.
+    """
+    if not torch.cuda.is_available():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(num_tests):
+            fn()
+        t = (time.perf_counter() - t0) / num_tests
+        return tuple(t for _ in kernel_names) if isinstance(kernel_names, tuple) else t
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if flush_l2 else None
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_tests):
+            if flush is not None:
+                flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    if trace_path is not None:
+        prof.export_chrome_trace(trace_path)
+    total_us = 0.0
+    for evt in prof.key_averages():
+        if evt.device_type is not None and "cuda" in str(evt.device_type).lower():
+            name = evt.key.lower()
+            if flush is not None and ("fill" in name or "memset" in name):
+                continue  # the L2 flush
+            total_us += evt.self_device_time_total
+    t = total_us / num_tests / 1e6
+    return tuple(t for _ in kernel_names) if isinstance(kernel_names, tuple) else t
+
+
+def install() -> None:
+    """Make `import deep_gemm` (and `deep_gemm.jit_kernels.utils`, where older code imports the
+    alignment helper from) resolve to this module, for code that cannot change its imports."""
+    import sys
+
+    me = sys.modules[__name__]
+    for name in ("deep_gemm", "deep_gemm.jit_kernels", "deep_gemm.jit_kernels.utils"):
+        sys.modules[name] = me
