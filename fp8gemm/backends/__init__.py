@@ -107,6 +107,9 @@ def select_backend(problem: GemmProblem, device: torch.device, requested: str = 
             reasons.append(f"{name}: {why}")
         else:
             mod = get_backend("reference")
+        if device.type != "cuda" and settings.print_configs:
+            reasons = [f"{name}: {_why_not(name, problem, device) or 'auto takes it on CUDA devices only'}"
+                       for name in ("cuda", "triton")]
     _chosen[key] = mod
     if settings.print_configs:
         skipped = f" (skipped {'; '.join(reasons)})" if reasons else ""
