@@ -374,7 +374,8 @@ def method_text() -> str:
         f"({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others). × = speed-up over the "
         "baseline peer of the same run: "
         + ", ".join(f"{op}: {impl}" for op, impl in BASELINE.items())
-        + ". Grouped shapes are G×M per group (moe-skewed: G×mean); deepseek-grouped masked groups are full (masked_m = Mmax), moe-skewed draws masked_m per expert.")
+        + ". Grouped shapes are G×M per group (moe-skewed: G×mean); deepseek-grouped masked "
+        "groups are full (masked_m = Mmax), moe-skewed draws masked_m per expert.")
 
 
 def markdown(docs: list[tuple[str, dict]], title: str | None = None,
