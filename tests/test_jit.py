@@ -190,7 +190,7 @@ def test_tma_encode_validates_before_the_driver():
         jit.encode_tiled(torch.uint8, 256, (128, 1), (0,), (128, 64))
 
 
-# --- what else shapes a binary; failure paths (review 2026-11-30) ------------------------------------
+# --- what else shapes a binary; failure paths ------------------------------------
 def test_cache_ident_covers_fixed_options_and_nvcc_env(monkeypatch):
     """The options every compile passes, and nvcc's flag variables, are part of the cache key:
     editing them must not reuse a binary built without them."""

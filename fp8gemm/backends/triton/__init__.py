@@ -24,7 +24,7 @@ import torch
 import triton  # noqa: F401  (an ImportError here tells the backend registry Triton is missing)
 
 from ..._settings import settings
-from ...layout import _SmCount
+from ...layout import num_sms_override
 from ...problem import GemmProblem
 from ..family import DeviceFacts, KernelFamily, choose_family
 from . import fp8_gemm, tuning
@@ -72,7 +72,7 @@ def device_facts(device: torch.device) -> DeviceFacts:
     if device.type != "cuda":
         return INTERPRETER_FACTS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_facts(index, _SmCount.override)
+    return _cuda_facts(index, num_sms_override())
 
 
 @functools.lru_cache(maxsize=64)
