@@ -175,56 +175,62 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   if (warpgroup == kNumMathThreads / 128) {
     // --- producer: one thread issues every TMA load ---------------------------------------------
     warpgroup_reg_dealloc<kProducerRegs>();
-    // NOTE: the first producer warp walks the scheduler (grouped layouts are read warp-wide);
-    // lane 0 alone issues every barrier operation and TMA load, the other lanes wait for it at
-    // __syncwarp, so that the warp is converged at every warp-collective step of the walk.
-    if (threadIdx.x / 32 == kNumMathThreads / 32) {
-      const bool is_leader = kNumTMAMulticast == 1 || cluster_cta_rank() == 0;
-      // NOTE: below BLOCK_M rows the host's A map has a box of M rows: TMA's zero fill of rows
-      // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
-      // keep stale bytes; they only feed output rows that the TMA store clips.
-      const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
-      const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
-      uint32_t stage = 0, phase = 0;
-      while (scheduler.next(tile)) {
-        if (lane == 0) {
-          const int32_t m0 = tile.m0;
-          // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
-          const int32_t n0 = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
-          for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
-            mbar_wait(&empty_bar[stage], phase ^ 1);
-            uint64_t* bar = &full_bar[stage];
-            mbar_arrive_expect_tx(bar, stage_tx_bytes);
-            const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
-            uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
-            uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
-            // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
-            // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
-            if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
-              if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
-            } else {
-              tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
-            }
-            if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
-              if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
-            } else {
-              tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
-            }
-            if constexpr (kKind == kKindMasked) {
-              tma_load_3d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, tile.sa_m, static_cast<int32_t>(kb),
-                          static_cast<int32_t>(tile.group));
-            } else {
-              const int32_t sa_m0 = tile.sa_m - static_cast<int32_t>(sa_shift_of<kKind>(tile));
-#pragma unroll
-              for (uint32_t j = 0; j < Layout::kSaLoads; ++j)
-                tma_load_2d(smem_sa + stage * Layout::kSaStage + j * 128, &tmap_sa, bar,
-                            sa_m0 + static_cast<int32_t>(j * 128), static_cast<int32_t>(kb));
-            }
-            if (++stage == kNumStages) stage = 0, phase ^= 1;
-          }
+    // NOTE: one thread issues every barrier operation and TMA load. The contiguous kind's walk of
+    // the scheduler reads the layout warp-wide, so there the whole first producer warp walks it
+    // and lane 0 issues, the other lanes waiting at __syncwarp (with lanes of a diverged warp at
+    // the TMA instruction the kernel faulted).
+    const bool is_leader = kNumTMAMulticast == 1 || cluster_cta_rank() == 0;
+    // NOTE: below BLOCK_M rows the host's A map has a box of M rows: TMA's zero fill of rows
+    // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
+    // keep stale bytes; they only feed output rows that the TMA store clips.
+    const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
+    const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
+    uint32_t stage = 0, phase = 0;
+    auto produce = [&](const Tile& t) {
+      const int32_t m0 = t.m0;
+      // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
+      const int32_t n0 = static_cast<int32_t>(t.group * SHAPE_N + t.n_block * BLOCK_N);
+      for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+        mbar_wait(&empty_bar[stage], phase ^ 1);
+        uint64_t* bar = &full_bar[stage];
+        mbar_arrive_expect_tx(bar, stage_tx_bytes);
+        const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
+        uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
+        uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
+        // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
+        // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
+        if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
+          if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
+        } else {
+          tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
         }
-        __syncwarp();
+        if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
+          if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
+        } else {
+          tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
+        }
+        if constexpr (kKind == kKindMasked) {
+          tma_load_3d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, t.sa_m, static_cast<int32_t>(kb),
+                      static_cast<int32_t>(t.group));
+        } else {
+          const int32_t sa_m0 = t.sa_m - static_cast<int32_t>(sa_shift_of<kKind>(t));
+#pragma unroll
+          for (uint32_t j = 0; j < Layout::kSaLoads; ++j)
+            tma_load_2d(smem_sa + stage * Layout::kSaStage + j * 128, &tmap_sa, bar,
+                        sa_m0 + static_cast<int32_t>(j * 128), static_cast<int32_t>(kb));
+        }
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
       }
+    };
+    if constexpr (kKind == kKindContiguous) {
+      if (threadIdx.x / 32 == kNumMathThreads / 32) {
+        while (scheduler.next(tile)) {
+          if (lane == 0) produce(tile);
+          __syncwarp();
+        }
+      }
+    } else if (threadIdx.x == kNumMathThreads) {
+      while (scheduler.next(tile)) produce(tile);
     }
   } else {
     // --- consumers: wgmma, promotion with scales, epilogue --------------------------------------
