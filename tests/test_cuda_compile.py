@@ -19,7 +19,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS
+from helpers import FORCED_CONFIGS, compiler_or_skip
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -152,15 +152,6 @@ def test_fewer_sms_changes_the_grid():
 
 
 # --- compile every suite kernel ------------------------------------------------------------------------
-def _compiler_or_skip():
-    from fp8gemm.jit import CompilerUnavailable, get_compiler
-
-    try:
-        return get_compiler()
-    except CompilerUnavailable as e:
-        pytest.skip(f"no CUDA compiler (NVRTC or nvcc): {e}")
-
-
 def _suite_configs():
     seen = {}
     for m, n, k in DSV3 + AWKWARD:
@@ -173,7 +164,7 @@ def _suite_configs():
 def compiled_suite(tmp_path_factory):
     import os
 
-    _compiler_or_skip()
+    compiler_or_skip()
     old = os.environ.get("FP8GEMM_CACHE_DIR")
     os.environ["FP8GEMM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cubins"))
     try:
@@ -234,7 +225,7 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
 def test_two_accum_compiles_clean_over_its_k_range(tmp_path, monkeypatch):
     """use_two_accum admits 128x128 up to TWO_ACCUM_MAX_K: no spills, no serialised wgmma at K
     steps across that range (ptxas spilled at K = 65536)."""
-    _compiler_or_skip()
+    compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
     for k in (512, 7168, 16384, 32768, g.TWO_ACCUM_MAX_K):
         assert g.use_two_accum(128, 128, k)
@@ -264,7 +255,7 @@ def test_supports_refuses_k_past_the_checked_limit():
 def test_widest_tiles_at_max_k_do_not_spill(bm, tmp_path, monkeypatch):
     """MAX_K is a checked limit: the widest tile at K = MAX_K still compiles without spills
     (its B scales live in shared memory and in registers, both growing with K)."""
-    _compiler_or_skip()
+    compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
     k = g.MAX_K
     # The widest tile of this height that fits shared memory at K = MAX_K.
@@ -359,17 +350,22 @@ def test_launch_makes_the_tensor_device_current_for_the_null_stream(stream, curr
 @pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a,two_accum", FORCED_CONFIGS)
 def test_forced_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, two_accum, tmp_path,
                                       monkeypatch):
-    _compiler_or_skip()
+    compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
     stages = g.max_stages(bm, bn, k, H200.smem_per_block)
     cfg = g.Sm90Config(bm, bn, stages, multicast, on_a, g.BAND_SIZE, 132, two_accum)
     _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg)
+    assert_clean_cubin(compiled, cfg, tool, tmp_path, str(cfg))
+
+
+def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:
+    """QGMMA of the tile's width in the SASS, no local memory, no stack, no serialised wgmma."""
     path = tmp_path / "k.cubin"
     path.write_bytes(compiled.cubin)
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-    assert re.search(rf"QGMMA\.64x{bn}x32", sass), f"{cfg}: no QGMMA.64x{bn}x32 in SASS"
-    assert not re.search(r"\b(LDL|STL)\b", sass), f"{cfg}: local memory in SASS"
+    assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), f"{what}: no QGMMA.64x{cfg.block_n}x32"
+    assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory in SASS"
     # ptxas serialises every wgmma where it cannot track the groups in flight (C7514 / C7515).
     assert not re.search(r"C751[45]", compiled.log), compiled.log
     res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
@@ -430,7 +426,7 @@ def test_masked_config_follows_expected_m():
 
 
 def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
-    _compiler_or_skip()
+    compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
     seen = set()
@@ -441,12 +437,4 @@ def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
             continue
         seen.add((p.kind, p.n, p.k, cfg))
         _, compiled, _, _ = g.compile_kernel(p.kind, p.n, p.k, cfg)
-        path = tmp_path / "k.cubin"
-        path.write_bytes(compiled.cubin)
-        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-        assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), f"{case} {cfg}: no QGMMA"
-        assert not re.search(r"\b(LDL|STL)\b", sass), f"{case} {cfg}: local memory in SASS"
-        assert not re.search(r"C751[45]", compiled.log), compiled.log
-        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
-        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
-        assert len(found) >= 2 and max(map(int, found)) == 0, res
+        assert_clean_cubin(compiled, cfg, tool, tmp_path, f"{case} {cfg}")
