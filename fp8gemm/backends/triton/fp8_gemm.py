@@ -722,6 +722,15 @@ def compile_config(cfg: PersistentConfig, problem: GemmProblem, target, further:
 # the family
 
 
+def dtype_refusal(problem: GemmProblem) -> str | None:
+    """Why a Triton family cannot take the problem's dtypes (FP8 operands, bf16/fp32 out), or None."""
+    if problem.a_dtype not in FP8_DTYPES or problem.b_dtype not in FP8_DTYPES:
+        return f"operands must be FP8 (e4m3/e5m2), got {problem.a_dtype} x {problem.b_dtype}"
+    if problem.out_dtype not in OUT_DTYPES:
+        return f"out dtype must be bf16 or fp32, got {problem.out_dtype}"
+    return None
+
+
 class PersistentFamily(KernelFamily):
     """The persistent Triton kernel: every kind, recipe, FP8 format pair, C and split-K, on any
     GPU with FP8 dots and under the interpreter."""
@@ -730,10 +739,9 @@ class PersistentFamily(KernelFamily):
     Config = PersistentConfig
 
     def supports(self, problem: GemmProblem) -> str | None:
-        if problem.a_dtype not in FP8_DTYPES or problem.b_dtype not in FP8_DTYPES:
-            return f"operands must be FP8 (e4m3/e5m2), got {problem.a_dtype} x {problem.b_dtype}"
-        if problem.out_dtype not in OUT_DTYPES:
-            return f"out dtype must be bf16 or fp32, got {problem.out_dtype}"
+        why = dtype_refusal(problem)
+        if why is not None:
+            return why
         if problem.a_recipe not in _A_RECIPES:
             return f"A recipe {problem.a_recipe.value} is not one of {[r.value for r in _A_RECIPES]}"
         if problem.b_recipe not in _B_RECIPES:

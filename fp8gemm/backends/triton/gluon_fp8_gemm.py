@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...problem import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
+from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
 from ..family import DeviceFacts, KernelFamily
 from . import fp8_gemm
 
@@ -500,10 +500,9 @@ class GluonFamily(KernelFamily):
     Config = GluonConfig
 
     def supports(self, problem: GemmProblem) -> str | None:
-        if problem.a_dtype not in FP8_DTYPES or problem.b_dtype not in FP8_DTYPES:
-            return f"operands must be FP8 (e4m3/e5m2), got {problem.a_dtype} x {problem.b_dtype}"
-        if problem.out_dtype not in OUT_DTYPES:
-            return f"out dtype must be bf16 or fp32, got {problem.out_dtype}"
+        why = fp8_gemm.dtype_refusal(problem)
+        if why is not None:
+            return why
         if problem.kind not in _KIND:
             return f"{problem.kind.value} GEMMs are not implemented (dense, contiguous, masked)"
         if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.BLOCK:
