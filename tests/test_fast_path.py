@@ -11,7 +11,8 @@ import torch
 
 import fp8gemm
 from fp8gemm.ops import _common, gemm, grouped
-from helpers import TOL, calc_diff, col_major_tma, make_a, make_b, ref_gemm, ref_grouped_rows, ref_masked
+from helpers import (TOL, calc_diff, col_major_tma, make_a, make_b, ref_gemm, ref_grouped_rows,
+                     ref_masked)
 
 
 @pytest.fixture
@@ -96,7 +97,7 @@ def test_bad_input_after_warm_call_still_raises(fast_path):
         fp8gemm.fp8_gemm_nt(a, b, torch.empty(5, 5, dtype=torch.bfloat16))
 
 
-# --- grouped ops -----------------------------------------------------------------------------------
+# --- grouped ops ----------------------------------------------------------------------------------
 G, ROWS, N, K = 3, 40, 136, 320
 # B per-tensor [] is broadcast to [G] and A per-row [M, 1] reshaped to [M]: warm calls must view
 # them as the full path did.
@@ -104,39 +105,36 @@ RECIPES = [("1x128", "128x128", "1x128", "128x128"), ("row", "tensor", "row [M, 
 
 
 def _grouped_call(kind, ra, rb):
-    """(call(out=None, a=None, expected_m=None), reference, rows no group writes)."""
+    """(call(out=None, a=None, expected_m=None), float64 reference, rows no group writes)."""
     torch.manual_seed(0)
     b_t, sb = make_b(N, K, rb, groups=G)
     if rb == "tensor":
-        sb = sb[:1].reshape(())
+        sb = sb[:1].reshape(())  # one scale for every group
+    b_pair, ref_sb = (b_t, sb), sb.expand(G) if sb.dim() == 0 else sb
     if kind == "masked":
         a_t, sa = make_a(ROWS, K, ra, lead=G)
         masked_m = torch.tensor([ROWS, 0, 17], dtype=torch.int32)
-        ref = ref_masked(a_t, sa, ra, b_t, sb.expand(G) if sb.dim() == 0 else sb, rb, masked_m)
+        ref = ref_masked(a_t, sa, ra, b_t, ref_sb, rb, masked_m)
 
         def call(out=None, a=None, expected_m=None):
-            return fp8gemm.m_grouped_fp8_gemm_nt_masked(a or (a_t, sa), (b_t, sb), out,
-                                                        masked_m, expected_m)
+            return fp8gemm.m_grouped_fp8_gemm_nt_masked(a or (a_t, sa), b_pair, out, masked_m,
+                                                        expected_m)
         return call, ref, ref.isnan()
     a_t, sa = make_a(G * ROWS, K, ra)
-    groups = torch.arange(G * ROWS, dtype=torch.int32) // ROWS
-    groups[ROWS - 5:ROWS] = -1  # padding rows
-    ref_sa = sa
-    if ra == "row":
-        sa = sa.reshape(-1, 1)
-    ref = ref_grouped_rows(a_t, ref_sa, ra, b_t, sb.expand(G) if sb.dim() == 0 else sb, rb,
-                           groups)
+    a_pair = (a_t, sa.reshape(-1, 1)) if ra == "row" else (a_t, sa)
     if kind == "contiguous":
-        def call(out=None, a=None, expected_m=None):
-            return fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a or (a_t, sa), (b_t, sb), out, groups)
-        return call, ref, ref.isnan()
-    offsets = torch.tensor([0, ROWS, 2 * ROWS + 7, G * ROWS], dtype=torch.int32)
-    row_groups = torch.bucketize(torch.arange(G * ROWS), offsets[1:], right=True)
-    ref = ref_grouped_rows(a_t, ref_sa, ra, b_t, sb.expand(G) if sb.dim() == 0 else sb, rb,
-                           row_groups.int())
+        row_groups = torch.arange(G * ROWS, dtype=torch.int32) // ROWS
+        row_groups[ROWS - 5:ROWS] = -1  # padding rows
 
-    def call(out=None, a=None, expected_m=None):
-        return fp8gemm.m_grouped_fp8_gemm_nt_offsets(a or (a_t, sa), (b_t, sb), out, offsets)
+        def call(out=None, a=None, expected_m=None):
+            return fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a or a_pair, b_pair, out, row_groups)
+    else:
+        offsets = torch.tensor([0, ROWS, 2 * ROWS + 7, G * ROWS], dtype=torch.int32)
+        row_groups = torch.bucketize(torch.arange(G * ROWS), offsets[1:], right=True).int()
+
+        def call(out=None, a=None, expected_m=None):
+            return fp8gemm.m_grouped_fp8_gemm_nt_offsets(a or a_pair, b_pair, out, offsets)
+    ref = ref_grouped_rows(a_t, sa, ra, b_t, ref_sb, rb, row_groups)
     return call, ref, ref.isnan()
 
 
@@ -144,16 +142,16 @@ def _grouped_call(kind, ra, rb):
 @pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
 def test_grouped_warm_calls_skip_validation_and_match(fast_path, kind, recipes):
     call, ref, unwritten = _grouped_call(kind, recipes[0], recipes[1])
-    first = call()
-    out = torch.full(first.shape, float("nan"), dtype=torch.bfloat16)
-    warm = [call(), call(out)]
+    first, warm = call(), call()  # out=None: the full path, then the plan
+    out = torch.full(first.shape, 7.0, dtype=torch.bfloat16)
+    call(out)
     again = call(out.fill_(7.0))
     assert len(fast_path) == 2 and len(grouped._plans) == 2  # out=None and out given
+    assert not first[unwritten].any() and not warm[unwritten].any()  # allocated as zeros
     assert again is out and bool((out[unwritten] == 7).all())  # rows of no group untouched
-    for y in (first, *warm):
-        assert not y[unwritten].any() or y is out
+    for y in (first, warm, again):
         assert calc_diff(y[~unwritten], ref[~unwritten]) < TOL[torch.bfloat16]
-    assert torch.equal(first, warm[0]) and torch.equal(first[~unwritten], again[~unwritten])
+    assert torch.equal(first, warm) and torch.equal(first[~unwritten], again[~unwritten])
 
 
 def test_grouped_metadata_changes_take_the_full_path(fast_path):
@@ -179,10 +177,12 @@ def test_grouped_bad_input_after_warm_call_still_raises(fast_path, monkeypatch):
     contiguous()
     a, b = make_a(G * ROWS, K, "1x128"), make_b(N, K, "128x128", groups=G)
     with pytest.raises(TypeError, match="^m_indices must be torch.int32"):
-        fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, None, torch.zeros(G * ROWS, dtype=torch.int64))
+        fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, None,
+                                                 torch.zeros(G * ROWS, dtype=torch.int64))
+    # The signature is warm and values go unchecked (as on CUDA); FP8GEMM_CHECK_VALUES=1 is in
+    # the key, so the full path checks them.
+    monkeypatch.setenv("FP8GEMM_CHECK_VALUES", "1")
     bad = torch.full((G * ROWS,), G, dtype=torch.int32)
-    fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, None, bad)  # values unchecked, as on CUDA
-    monkeypatch.setenv("FP8GEMM_CHECK_VALUES", "1")  # in the key: the full path checks them
     with pytest.raises(ValueError, match="^m_indices must lie in"):
         fp8gemm.m_grouped_fp8_gemm_nt_contiguous(a, b, None, bad)
 

@@ -236,7 +236,7 @@ def test_fast_path_with_the_python_guard(backend, monkeypatch):
     assert len(gemm._plans) == 1 and len(next(iter(gemm._plans.values()))) == 2
 
 
-# --- grouped ops -----------------------------------------------------------------------------------
+# --- grouped ops ----------------------------------------------------------------------------------
 G = 4
 KINDS = ("contiguous", "offsets", "masked")
 

@@ -213,7 +213,8 @@ def remember(plans: dict, key: tuple, plan: tuple) -> None:
     plans[key] = plans.get(key, ())[1 - MAX_PER_KEY:] + (plan,)
 
 
-def scale_view(s: torch.Tensor, norm: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def scale_view(s: torch.Tensor,
+               norm: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """How resolve_a_scale/resolve_b_scale turned scale `s` into `norm`, as a function for later
     scales with s's metadata; None when norm is s itself."""
     if norm is s:

@@ -79,8 +79,8 @@ def _maybe_remember(key, tensors, impl, problem: GemmProblem, a, b, sa, sb, out,
     a_t, b_t = a[0], b[0]
     if (key is not None and metadata_decides(a_t) and a_t.is_contiguous() and b_t.is_contiguous()
             and out.is_contiguous() and index.is_contiguous()):
-        remember(_plans, key, (metadata_guard(tensors), _warm_run(impl, problem, a[1], sa, b[1], sb),
-                               tuple(out.shape), out.dtype))
+        run = _warm_run(impl, problem, a[1], sa, b[1], sb)
+        remember(_plans, key, (metadata_guard(tensors), run, tuple(out.shape), out.dtype))
 
 
 def _grouped_b(b, k: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -505,7 +505,7 @@ DENSE = Sm90Fp8Gemm1d2d()
 GROUPED = Sm90MGroupedFp8Gemm1d2d()
 
 
-# --- the ops layer's warm-call fast path ------------------------------------------------------------
+# --- the ops layer's warm-call fast path ---------------------------------------------------------
 class _Launcher:
     """Warm calls of one metadata signature of the ops layer's fast path: every call has the
     metadata (shapes, strides, dtypes, device) of the call the launcher was made for, so only
