@@ -15,9 +15,15 @@ absent (the dispatcher never picks it for them). Optionally, for the ops layer's
 path:
 
     fp8_gemm_nt_launcher(problem, sa, sb) -> run(a, sa, b, sb, out, c) or None
+    m_grouped_fp8_gemm_nt_launcher(problem, sa, sb) -> run(a, sa, b, sb, out, index) or None
 
 a callable that runs `problem` for later calls whose tensors have the metadata of this call's,
-skipping the backend's own checks and lookups (see backends/cuda).
+skipping the backend's own checks and lookups (see backends/cuda). `sa` and `sb` are the scales
+as the caller passed them (the ops layer asks only when they are already in the normalised
+shapes); the grouped launcher serves the three grouped kinds (problem.kind says which), `index`
+being the call's m_indices, offsets or masked_m. None: the ops layer calls the GEMM function
+instead. The ops layer asks once per metadata signature, and only where values go unchecked
+(CUDA tensors, FP8GEMM_CHECK_VALUES off); `out` may be a fresh zero tensor of each call.
 
 The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
 normalised shapes of `Recipe` (any strides), index tensors are contiguous int32, every tensor is

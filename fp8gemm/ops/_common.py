@@ -1,4 +1,5 @@
-"""Input checks and scale-recipe resolution shared by the op families.
+"""Input checks, scale-recipe resolution and the warm-call fast path's pieces, shared by the op
+families.
 
 Every check raises TypeError/ValueError naming the argument, what was given and what is needed.
 """
@@ -180,14 +181,59 @@ def prepare_out(out: torch.Tensor | None, shape: tuple[int, ...], out_dtype: tor
     return out
 
 
+# --- the warm-call fast path ----------------------------------------------------------------------
+# NOTE: a warm eager call must cost a few microseconds of host time. Validation depends only on
+# tensor metadata once value checks are off (GPU default), so each op remembers the outcome of its
+# full path (the problem, the backend and how it runs) per metadata signature: found by a cheap key
+# (element counts, the other arguments, hot_env()), then confirmed by a metadata guard over every
+# tensor. Reading shapes, strides, dtypes and devices of five tensors in Python costs ~2 us; the
+# guard compares them in one C++ call, and element counts are ints (no torch.Size to build and
+# hash) that tell apart the shapes of a model's layers.
+MAX_PLANS = 4096  # per op family's table; cleared when full
+MAX_PER_KEY = 8  # signatures under one key (other shapes of equal size, strides, dtypes)
+
+
+def values_unchecked(t: torch.Tensor) -> bool:
+    """Whether calls on t's device skip value checks by default (so metadata decides everything):
+    CUDA, where reading values would synchronise. CPU inputs always have their values checked."""
+    return t.is_cuda
+
+
+def metadata_decides(t: torch.Tensor) -> bool:
+    """Whether a call on t's device may be remembered: its values go unchecked now."""
+    return values_unchecked(t) and not settings.check_values
+
+
+def remember(plans: dict, key: tuple, plan: tuple) -> None:
+    """Add `plan` (its guard first) to the signatures under `key`, the oldest dropped past
+    MAX_PER_KEY."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    # NOTE: a new tuple, not an append: a thread scanning the old one never sees it change.
+    plans[key] = plans.get(key, ())[1 - MAX_PER_KEY:] + (plan,)
+
+
+def scale_view(s: torch.Tensor,
+               norm: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How resolve_a_scale/resolve_b_scale turned scale `s` into `norm`, as a function for later
+    scales with s's metadata; None when norm is s itself."""
+    if norm is s:
+        return None
+    shape = tuple(norm.shape)
+    if norm.numel() != s.numel():  # one per-tensor scale broadcast to every group
+        return lambda x: x.reshape(1).expand(shape)
+    return lambda x: x.reshape(shape)
+
+
 def _metadata(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device)
+    return (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
 def metadata_guard(tensors: tuple) -> Callable[..., bool]:
-    """check(*ts) -> whether tensors ts have the metadata `tensors` have now: shapes, strides,
-    dtypes, devices (torch's guard also compares types, requires_grad and dispatch keys, so it
-    may say no where the Python check says yes: a miss, never a wrong hit)."""
+    """check(*ts) -> whether tensors ts have the metadata `tensors` have now: types, shapes,
+    strides, dtypes, devices (torch's guard also compares requires_grad and dispatch keys, and
+    fails a tensor passed twice, so it may say no where the Python check says yes: a miss, never
+    a wrong hit)."""
     if _TensorGuards is not None:
         try:
             return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check

@@ -5,36 +5,18 @@ from __future__ import annotations
 import torch
 from torch.compiler import is_compiling, is_dynamo_compiling
 
-from .._settings import hot_env, settings
+from .._settings import hot_env
 from ..backends import select_backend
 from ..problem import GemmKind, GemmProblem
-from ._common import (check_device, check_fp8, contiguous_operand, metadata_guard, prepare_out,
-                      resolve_a_scale, resolve_b_scale, resolve_out_dtype, run_into, shape_str,
-                      split_operand)
+from ._common import (check_device, check_fp8, contiguous_operand, metadata_decides,
+                      metadata_guard, prepare_out, remember, resolve_a_scale, resolve_b_scale,
+                      resolve_out_dtype, run_into, scale_view, shape_str, split_operand)
 
 __all__ = ["fp8_gemm_nt", "check_dense"]
 
-# NOTE: a warm eager call must cost a few microseconds of host time. Validation depends only on
-# tensor metadata once value checks are off (GPU default), so the outcome of the full path (the
-# problem, the backend and how it runs) is remembered per metadata signature: found by a cheap key
-# (A's and B's element counts, the other arguments), then confirmed by a metadata guard over every
-# tensor. Reading shapes, strides, dtypes and devices of five tensors in Python costs ~2 us; the
-# guard compares them in one C++ call, and element counts are ints (no torch.Size to build and
-# hash) that tell apart the shapes of a model's layers.
+# NOTE: the per-metadata fast path (_common's NOTE): key = A's and B's element counts and the
+# other arguments; the guard covers a, sa, b, sb and out and c where given.
 _plans: dict[tuple, tuple] = {}  # key -> ((guard, run, out shape, out dtype), ...)
-_MAX_PLANS = 4096
-_MAX_PER_KEY = 8  # signatures under one key (other shapes of equal size, strides, dtypes)
-
-
-def _values_unchecked(t: torch.Tensor) -> bool:
-    """Whether calls on t's device skip value checks by default (so metadata decides everything):
-    CUDA, where reading values would synchronise. CPU inputs always have their values checked."""
-    return t.is_cuda
-
-
-def _metadata_decides(t: torch.Tensor) -> bool:
-    """Whether a call on t's device may be remembered: its values go unchecked now."""
-    return _values_unchecked(t) and not settings.check_values
 
 
 def _warm_run(impl, problem: GemmProblem, a_s, sa, b_s, sb):
@@ -46,12 +28,11 @@ def _warm_run(impl, problem: GemmProblem, a_s, sa, b_s, sb):
         run = launcher(problem, sa, sb)
         if run is not None:
             return run
-    sa_shape = None if sa is a_s else tuple(sa.shape)
-    sb_shape = None if sb is b_s else tuple(sb.shape)
+    view_a, view_b = scale_view(a_s, sa), scale_view(b_s, sb)
 
     def run(a_t, a_s, b_t, b_s, out, c):
-        impl.fp8_gemm_nt(a_t, a_s if sa_shape is None else a_s.reshape(sa_shape), b_t,
-                         b_s if sb_shape is None else b_s.reshape(sb_shape), out, c, problem)
+        impl.fp8_gemm_nt(a_t, a_s if view_a is None else view_a(a_s), b_t,
+                         b_s if view_b is None else view_b(b_s), out, c, problem)
     return run
 
 
@@ -75,7 +56,7 @@ def fp8_gemm_nt(a, b, out: torch.Tensor | None = None, *, c: torch.Tensor | None
     Returns:
         out, [M, N].
     """
-    # NOTE: plans are remembered only for calls whose values go unchecked (_metadata_decides),
+    # NOTE: plans are remembered only for calls whose values go unchecked (metadata_decides),
     # and a plan's guard matches only tensors on the device its call ran on, under the same raw
     # FP8GEMM_CHECK_VALUES (in the key): a hit needs no check of its own.
     # NOTE: is_dynamo_compiling costs ~0.1 us (is_compiling ~0.3 us, it asks TorchScript too);
@@ -165,14 +146,10 @@ def _fp8_gemm_nt_full(a, b, out, c, out_dtype, backend, key, tensors) -> torch.T
     problem = GemmProblem(GemmKind.DENSE, m, n, k, 1, a_t.dtype, b_t.dtype, a_recipe, b_recipe,
                           out_dtype, has_c=c is not None)
     impl = select_backend(problem, device, backend)
-    if (key is not None and _metadata_decides(a_t) and a_t.is_contiguous() and b_t.is_contiguous()
+    if (key is not None and metadata_decides(a_t) and a_t.is_contiguous() and b_t.is_contiguous()
             and out.is_contiguous() and (c is None or c.is_contiguous())):
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        plan = (metadata_guard(tensors), _warm_run(impl, problem, a_s, sa, b_s, sb), (m, n),
-                out_dtype)
-        # NOTE: a new tuple, not an append: a thread scanning the old one never sees it change.
-        _plans[key] = _plans.get(key, ())[1 - _MAX_PER_KEY:] + (plan,)
+        remember(_plans, key, (metadata_guard(tensors), _warm_run(impl, problem, a_s, sa, b_s, sb),
+                               (m, n), out_dtype))
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     if c is not None:
         c = c.contiguous() if c is not out else c

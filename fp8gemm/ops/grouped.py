@@ -3,17 +3,84 @@
 from __future__ import annotations
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_compiling, is_dynamo_compiling
 
+from .._settings import hot_env
 from ..backends import select_backend
 from ..problem import GemmKind, GemmProblem
-from ._common import (check_device, check_fp8, check_index, check_values_now,
-                      contiguous_operand, prepare_out, resolve_a_scale, resolve_b_scale,
-                      resolve_out_dtype, run_into,
-                      shape_str, split_operand)
+from ._common import (check_device, check_fp8, check_index, check_values_now, contiguous_operand,
+                      metadata_decides, metadata_guard, prepare_out, remember, resolve_a_scale,
+                      resolve_b_scale, resolve_out_dtype, run_into, scale_view, shape_str,
+                      split_operand)
 
 __all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
            "m_grouped_fp8_gemm_nt_masked", "check_contiguous", "check_offsets", "check_masked"]
+
+
+# NOTE: the per-metadata fast path (_common's NOTE), as fp8_gemm_nt has it: key = the kind,
+# expected_m (masked: it picks the config), A's and B's element counts and the other arguments;
+# the guard covers a, sa, b, sb, the index tensor (m_indices, offsets, masked_m) and out where
+# given. A hit skips validation, the backend choice and the backend's lookups; `out=None` still
+# allocates zeros (rows of no group stay 0).
+_plans: dict[tuple, tuple] = {}  # key -> ((guard, run, out shape, out dtype), ...)
+_BACKEND_FN = {GemmKind.CONTIGUOUS: "m_grouped_fp8_gemm_nt_contiguous",
+               GemmKind.OFFSETS: "m_grouped_fp8_gemm_nt_offsets",
+               GemmKind.MASKED: "m_grouped_fp8_gemm_nt_masked"}
+
+
+def _lookup(kind: GemmKind, expected_m, a, b, out, index, out_dtype, backend):
+    """(key, tensors, plan) of a call: plan is the remembered outcome of the full path for this
+    metadata signature, or None; key is None when the call cannot have one (not pairs of
+    tensors, unhashable arguments: the full path raises the right error)."""
+    try:
+        (a_t, a_s), (b_t, b_s) = a, b
+        key = (kind, expected_m, a_t.numel(), b_t.numel(), out is None, out_dtype, backend,
+               hot_env())
+        tensors = (a_t, a_s, b_t, b_s, index) if out is None else (a_t, a_s, b_t, b_s, index, out)
+        for plan in _plans.get(key, ()):
+            if plan[0](*tensors):
+                return key, tensors, plan
+    except (TypeError, ValueError, AttributeError):
+        return None, None, None
+    return key, tensors, None
+
+
+def _run_plan(plan: tuple, a, b, out, index) -> torch.Tensor:
+    _, run, out_shape, out_dtype = plan
+    (a_t, a_s), (b_t, b_s) = a, b
+    if out is None:
+        out = torch.zeros(out_shape, dtype=out_dtype, device=a_t.device)
+    run(a_t, a_s, b_t, b_s, out, index)
+    return out
+
+
+def _warm_run(impl, problem: GemmProblem, a_s, sa, b_s, sb):
+    """run(a_t, a_s, b_t, b_s, out, index) for warm calls of one metadata signature: the
+    backend's own launcher where it has one, else its op function with the scales viewed as the
+    full path viewed them."""
+    launcher = getattr(impl, "m_grouped_fp8_gemm_nt_launcher", None)
+    if launcher is not None and sa is a_s and sb is b_s:
+        run = launcher(problem, sa, sb)
+        if run is not None:
+            return run
+    fn = getattr(impl, _BACKEND_FN[problem.kind])
+    view_a, view_b = scale_view(a_s, sa), scale_view(b_s, sb)
+
+    def run(a_t, a_s, b_t, b_s, out, index):
+        fn(a_t, a_s if view_a is None else view_a(a_s), b_t,
+           b_s if view_b is None else view_b(b_s), out, index, problem)
+    return run
+
+
+def _maybe_remember(key, tensors, impl, problem: GemmProblem, a, b, sa, sb, out, index) -> None:
+    """Remember the outcome of a full call for warm calls of its metadata signature, when
+    metadata decides everything (values unchecked) and every tensor is contiguous (a hit hands
+    them to the backend as they are)."""
+    a_t, b_t = a[0], b[0]
+    if (key is not None and metadata_decides(a_t) and a_t.is_contiguous() and b_t.is_contiguous()
+            and out.is_contiguous() and index.is_contiguous()):
+        run = _warm_run(impl, problem, a[1], sa, b[1], sb)
+        remember(_plans, key, (metadata_guard(tensors), run, tuple(out.shape), out.dtype))
 
 
 def _grouped_b(b, k: int | None, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +170,23 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, out: torch.Tensor | None, m_indices: 
         m_indices: int32 [sum M] on a's device: the group of each row, -1 for padding rows.
             Padding rows of `out` are left untouched.
     """
+    # NOTE: is_dynamo_compiling first, as in fp8_gemm_nt (other tracers meet is_compiling on the
+    # full path).
+    if is_dynamo_compiling():
+        return _traced(torch.ops.fp8gemm.m_grouped_fp8_gemm_nt_contiguous, a, b, out,
+                       (m_indices,), out_dtype, backend)
+    key, tensors, plan = _lookup(GemmKind.CONTIGUOUS, None, a, b, out, m_indices, out_dtype,
+                                 backend)
+    if plan is not None:
+        return _run_plan(plan, a, b, out, m_indices)
+    return _contiguous_full(a, b, out, m_indices, out_dtype, backend, key, tensors)
+
+
+def _contiguous_full(a, b, out, m_indices, out_dtype, backend, key, tensors) -> torch.Tensor:
+    """m_grouped_fp8_gemm_nt_contiguous's full path: validation, backend choice, and (when key
+    is not None) the plan that warm calls with the metadata of `tensors` reuse.
+    NOTE: a function of its own, as fp8_gemm_nt's: the lambda below makes its variables cells,
+    which a frame creates on entry, and the fast path should not pay for them."""
     if is_compiling():
         return _traced(torch.ops.fp8gemm.m_grouped_fp8_gemm_nt_contiguous, a, b, out,
                        (m_indices,), out_dtype, backend)
@@ -115,6 +199,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, out: torch.Tensor | None, m_indices: 
         return _empty_k(out, m_indices >= 0)
     problem = GemmProblem(GemmKind.CONTIGUOUS, m, n, k, g, a_t.dtype, b_t.dtype, ra, rb, out_dtype)
     impl = select_backend(problem, device, backend)
+    _maybe_remember(key, tensors, impl, problem, a, b, sa, sb, out, m_indices)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     return run_into(out, lambda dst: impl.m_grouped_fp8_gemm_nt_contiguous(
         a_t, sa, b_t, sb, dst, m_indices.contiguous(), problem))
@@ -129,6 +214,17 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, out: torch.Tensor | None, offsets: torch
         a, b, out: as for `m_grouped_fp8_gemm_nt_contiguous`.
         offsets: int32 [G + 1] on a's device, non-decreasing, offsets[0] = 0, offsets[G] = sum M.
     """
+    if is_dynamo_compiling():
+        return _traced(torch.ops.fp8gemm.m_grouped_fp8_gemm_nt_offsets, a, b, out, (offsets,),
+                       out_dtype, backend)
+    key, tensors, plan = _lookup(GemmKind.OFFSETS, None, a, b, out, offsets, out_dtype, backend)
+    if plan is not None:
+        return _run_plan(plan, a, b, out, offsets)
+    return _offsets_full(a, b, out, offsets, out_dtype, backend, key, tensors)
+
+
+def _offsets_full(a, b, out, offsets, out_dtype, backend, key, tensors) -> torch.Tensor:
+    """m_grouped_fp8_gemm_nt_offsets's full path (see _contiguous_full)."""
     if is_compiling():
         return _traced(torch.ops.fp8gemm.m_grouped_fp8_gemm_nt_offsets, a, b, out, (offsets,),
                        out_dtype, backend)
@@ -141,6 +237,7 @@ def m_grouped_fp8_gemm_nt_offsets(a, b, out: torch.Tensor | None, offsets: torch
         return out.zero_()
     problem = GemmProblem(GemmKind.OFFSETS, m, n, k, g, a_t.dtype, b_t.dtype, ra, rb, out_dtype)
     impl = select_backend(problem, device, backend)
+    _maybe_remember(key, tensors, impl, problem, a, b, sa, sb, out, offsets)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     return run_into(out, lambda dst: impl.m_grouped_fp8_gemm_nt_offsets(
         a_t, sa, b_t, sb, dst, offsets.contiguous(), problem))
@@ -161,6 +258,24 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out: torch.Tensor | None, masked_m: torch
         masked_m: int32 [G] on a's device, each in [0, Mmax]; read on the device (no sync).
         expected_m: host hint of the typical masked_m, used to pick a config (default Mmax).
     """
+    if is_dynamo_compiling():
+        return _traced(torch.ops.fp8gemm.m_grouped_fp8_gemm_nt_masked, a, b, out,
+                       (masked_m, expected_m), out_dtype, backend)
+    # NOTE: only an exact int (or None) in the key: 2.0 and True hash as 2 and 1 do, and the
+    # full path refuses them.
+    if expected_m is None or expected_m.__class__ is int:
+        key, tensors, plan = _lookup(GemmKind.MASKED, expected_m, a, b, out, masked_m, out_dtype,
+                                     backend)
+        if plan is not None:
+            return _run_plan(plan, a, b, out, masked_m)
+    else:
+        key = tensors = None
+    return _masked_full(a, b, out, masked_m, expected_m, out_dtype, backend, key, tensors)
+
+
+def _masked_full(a, b, out, masked_m, expected_m, out_dtype, backend, key,
+                 tensors) -> torch.Tensor:
+    """m_grouped_fp8_gemm_nt_masked's full path (see _contiguous_full)."""
     if is_compiling():
         return _traced(torch.ops.fp8gemm.m_grouped_fp8_gemm_nt_masked, a, b, out,
                        (masked_m, expected_m), out_dtype, backend)
@@ -174,6 +289,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, out: torch.Tensor | None, masked_m: torch
     problem = GemmProblem(GemmKind.MASKED, mmax, n, k, g, a_t.dtype, b_t.dtype, ra, rb, out_dtype,
                           expected_m=min(expected_m, mmax))
     impl = select_backend(problem, device, backend)
+    _maybe_remember(key, tensors, impl, problem, a, b, sa, sb, out, masked_m)
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
     return run_into(out, lambda dst: impl.m_grouped_fp8_gemm_nt_masked(
         a_t, sa, b_t, sb, dst, masked_m.contiguous(), problem))

@@ -17,7 +17,8 @@ from . import sm90_fp8_gemm_1d2d
 
 __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
-           "m_grouped_fp8_gemm_nt_masked", "fp8_gemm_nt_launcher"]
+           "m_grouped_fp8_gemm_nt_masked", "fp8_gemm_nt_launcher",
+           "m_grouped_fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
 FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED)
@@ -94,4 +95,11 @@ def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
     (a, sa, b, sb, out, c) that runs `problem` for later calls whose tensors have the metadata of
     this call's (a, b, out contiguous; scales as sa and sb, unreshaped; one device), skipping this
     module's checks and the plan lookups; or None."""
-    return sm90_fp8_gemm_1d2d.launcher(problem, sa, sb)
+    return sm90_fp8_gemm_1d2d.launcher(family_for(problem), problem, sa, sb)
+
+
+def m_grouped_fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
+    """As fp8_gemm_nt_launcher, for the grouped kinds: a callable (a, sa, b, sb, out, index),
+    index being the m_indices, offsets or masked_m of the call (contiguous, like a, b and out),
+    or None."""
+    return sm90_fp8_gemm_1d2d.launcher(family_for(problem), problem, sa, sb)

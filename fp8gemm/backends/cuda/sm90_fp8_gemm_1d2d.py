@@ -505,7 +505,7 @@ DENSE = Sm90Fp8Gemm1d2d()
 GROUPED = Sm90MGroupedFp8Gemm1d2d()
 
 
-# --- the ops layer's warm-call fast path (dense) ---------------------------------------------------
+# --- the ops layer's warm-call fast path ---------------------------------------------------------
 class _Launcher:
     """Warm calls of one metadata signature of the ops layer's fast path: every call has the
     metadata (shapes, strides, dtypes, device) of the call the launcher was made for, so only
@@ -513,31 +513,37 @@ class _Launcher:
     (new pointers, set_num_sms since) takes the family's run, which builds what is missing and
     copies what TMA cannot address."""
 
-    __slots__ = ("problem", "device", "device_index", "plan")
+    __slots__ = ("family", "problem", "device", "device_index", "plan")
 
-    def __init__(self, problem: GemmProblem, device: torch.device) -> None:
-        self.problem, self.device, self.device_index = problem, device, device.index
-        self.plan = get_plan(problem, device.index, DENSE.config_for(problem, device))
+    def __init__(self, family: _Sm90Family, problem: GemmProblem, device: torch.device) -> None:
+        self.family, self.problem, self.device, self.device_index = (family, problem, device,
+                                                                     device.index)
+        self.plan = get_plan(problem, device.index, family.config_for(problem, device))
 
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-            out: torch.Tensor, c: None) -> None:
-        """c is None: supports() refuses has_c."""
+            out: torch.Tensor, index: torch.Tensor | None) -> None:
+        """`index`: the grouped kinds' m_indices, offsets or masked_m; a dense call passes its
+        c there, which is None (supports() refuses has_c)."""
         plan = self.plan
         # NOTE: Sm90Plan.run's pack key; a hit needs no alignment check, since packs hold only
         # 16-byte aligned pointers (run copies the others) and sa's strides are fixed.
         pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr(), 0))
+                               out.data_ptr(), 0 if index is None else index.data_ptr()))
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
             self.plan = get_plan(self.problem, self.device_index,
-                                 DENSE.config_for(self.problem, self.device))
-            self.plan.run(a, sa, b, sb, out)
+                                 self.family.config_for(self.problem, self.device))
+            self.plan.run(a, sa, b, sb, out, index)
 
 
-def launcher(problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor):
-    """`_Launcher.run` for warm calls with contiguous a, b, out and scales with the metadata of
-    sa and sb, or None when those scales need converting on every call (the general path)."""
+def launcher(family: KernelFamily, problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor):
+    """`_Launcher.run` of `family` (DENSE or GROUPED, the one the backend chose for `problem`)
+    for warm calls with contiguous a, b, out (and index) and scales with the metadata of sa and
+    sb; or None when those scales need converting on every call (the general path) or the family
+    is not one of this module's."""
+    if family is not DENSE and family is not GROUPED:
+        return None
     if not (is_col_major_tma_aligned(sa) and sb.is_contiguous()):
         return None
-    return _Launcher(problem, sa.device).run
+    return _Launcher(family, problem, sa.device).run
