@@ -96,7 +96,7 @@ def read_safetensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
         for d in shape:
             count *= d
         nbytes = count * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes or base + end > len(data):
+        if begin < 0 or end - begin != nbytes or base + end > len(data):
             raise ValueError(f"safetensors tensor {name!r}: data_offsets [{begin}, {end}] do not "
                              f"hold {shape} {info['dtype']} ({nbytes} bytes) inside the data")
         raw = bytearray(buf[base + begin:base + end])  # a writable copy for torch.frombuffer
@@ -321,7 +321,8 @@ class MiniLMConfig:
 
 
 # The module tree mirrors the checkpoint's names, so that its state dict loads as is and
-# `convert`'s report names the layers as the checkpoint does ("encoder.layer.0.attention.self.query").
+# `convert`'s report names the layers as the checkpoint does
+# ("encoder.layer.0.attention.self.query").
 
 class _Embeddings(nn.Module):
     def __init__(self, c: MiniLMConfig):

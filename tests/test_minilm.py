@@ -114,8 +114,8 @@ def _check_fp8(ref: minilm.MiniLM, ids, mask, what: str) -> None:
 
 def test_safetensors_round_trip(tmp_path):
     tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7, dtype=torch.bfloat16),
-               "f16": torch.randn(2, 2, 2).half(), "i64": torch.arange(4), "scalar": torch.tensor(2.5),
-               "empty": torch.zeros(0, 3), "u8": torch.tensor([1, 255], dtype=torch.uint8)}
+               "f16": torch.randn(2, 2, 2).half(), "i64": torch.arange(4),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "u8": torch.tensor([1, 255], dtype=torch.uint8)}
     minilm.write_safetensors(tensors, tmp_path / "t.safetensors")
     data = (tmp_path / "t.safetensors").read_bytes()
     n = int.from_bytes(data[:8], "little")
