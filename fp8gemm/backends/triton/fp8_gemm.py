@@ -723,13 +723,15 @@ def compile_config(cfg: PersistentConfig, problem: GemmProblem, target, further:
 
 
 class PersistentFamily(KernelFamily):
-    """The persistent Triton kernel: every kind, recipe, FP8 format pair, C and split-K, on any
-    GPU with FP8 dots and under the interpreter."""
+    """The persistent Triton kernel: dense and every m-grouped kind, every recipe, FP8 format
+    pair, C and split-K, on any GPU with FP8 dots and under the interpreter."""
 
     name = "fp8_gemm_persistent"
     Config = PersistentConfig
 
     def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind not in _KIND:
+            return f"takes dense and m-grouped GEMMs, not {problem.kind.value}"
         if problem.a_dtype not in FP8_DTYPES or problem.b_dtype not in FP8_DTYPES:
             return f"operands must be FP8 (e4m3/e5m2), got {problem.a_dtype} x {problem.b_dtype}"
         if problem.out_dtype not in OUT_DTYPES:
