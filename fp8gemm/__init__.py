@@ -10,7 +10,8 @@ from .layout import (get_col_major_tma_aligned_tensor, get_m_alignment_for_conti
                      get_num_sms, get_tma_aligned_size, set_num_sms)
 from .moe import (ContiguousLayout, MaskedLayout, moe_combine_contiguous, moe_combine_masked,
                   moe_dispatch_contiguous, moe_dispatch_masked)
-from .ops import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
+from .ops import (fp8_gemm_nt, k_grouped_fp8_gemm_nt_contiguous,
+                  m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
                   m_grouped_fp8_gemm_nt_offsets)
 from .problem import GemmKind, GemmProblem, Recipe
 from .quant import (DelayedScaling, calc_diff, quantize_per_block, quantize_per_channel,
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
-    "m_grouped_fp8_gemm_nt_masked",
+    "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
     "quantize_per_token", "quantize_per_block", "quantize_per_tensor", "quantize_per_channel",
     "silu_mul_quantize_per_token",
     "DelayedScaling", "calc_diff",

@@ -50,6 +50,7 @@ class GemmKind(enum.Enum):
     CONTIGUOUS = "contiguous"  # A [sum M, K], m_indices [sum M]
     OFFSETS = "offsets"  # A [sum M, K], offsets [G + 1]
     MASKED = "masked"  # A [G, Mmax, K], masked_m [G]
+    K_GROUPED = "k_grouped"  # A [M, sum K], B [N, sum K], ks [G]; out [G, M, N]
 
 
 _SHORT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.bfloat16: "bf16",
@@ -61,6 +62,7 @@ class GemmProblem:
     """One GEMM family call, without its data. Hashable: a cache key for configs and kernels.
 
     m is the rows of A as stored: sum of M for contiguous/offsets, Mmax for masked.
+    k is K, or for k-grouped the sum of the groups' K (A's columns as stored).
     expected_m is the caller's hint of rows per group for masked (else equal to m).
     """
 

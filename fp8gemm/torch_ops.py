@@ -24,10 +24,11 @@ import torch
 from . import quant
 from .ops import gemm as _gemm
 from .ops import grouped as _grouped
+from .ops import k_grouped as _k_grouped
 
 __all__ = ["fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
-           "m_grouped_fp8_gemm_nt_masked", "quantize_per_token", "silu_mul_quantize_per_token",
-           "quantize_per_block"]
+           "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
+           "quantize_per_token", "silu_mul_quantize_per_token", "quantize_per_block"]
 
 _LIB = "fp8gemm"
 
@@ -92,6 +93,21 @@ def _(a, sa, b, sb, masked_m, expected_m=None, out_dtype=None, backend="auto"):
     *_, (g, mmax, n, _k), _dev, dtype, _em = _grouped.check_masked(
         (a, sa), (b, sb), None, masked_m, expected_m, out_dtype)
     return a.new_empty((g, mmax, n), dtype=dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::k_grouped_fp8_gemm_nt_contiguous", mutates_args=())
+def k_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor,
+                                     sb: torch.Tensor, ks: torch.Tensor,
+                                     c: Optional[torch.Tensor] = None,
+                                     backend: str = "auto") -> torch.Tensor:
+    return _k_grouped.k_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), None, ks, c=c,
+                                                       backend=backend)
+
+
+@k_grouped_fp8_gemm_nt_contiguous.register_fake
+def _(a, sa, b, sb, ks, c=None, backend="auto"):
+    *_, (g, m, n, _k, _kb), _dev = _k_grouped.check_k_grouped((a, sa), (b, sb), None, ks, c)
+    return a.new_empty((g, m, n), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_per_token", mutates_args=())

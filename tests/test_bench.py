@@ -576,7 +576,7 @@ def test_runner_new_ops_on_cpu():
     assert "sm_90" in skipped[("k_grouped_wgrad", "cublas-block-loop")]
     assert all("cannot import deep_gemm" in why for (_, impl), why in skipped.items()
                if impl == "deepgemm") or "deep_gemm" in sys.modules
-    assert any("a loop of fp8_gemm_nt" in n for n in res.notes)  # said honestly
+    assert any("k_grouped_fp8_gemm_nt_contiguous, out += A_g . B_g^T" in n for n in res.notes)
     doc = report.make_doc(META, res.rows)
     report.validate_doc(doc)
     text = report.markdown([("cpu", doc)])

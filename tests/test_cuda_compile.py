@@ -413,7 +413,7 @@ def test_dense_family_refuses_grouped_and_back():
     p = grouped_problem(*GROUPED_SUITE[0])
     assert "grouped" not in (g.GROUPED.supports(p) or "")
     assert "dense" in g.DENSE.supports(p)
-    assert "grouped" in g.GROUPED.supports(problem(64, 576, 512))
+    assert "M-grouped" in g.GROUPED.supports(problem(64, 576, 512))
 
 
 def test_masked_config_follows_expected_m():

@@ -640,8 +640,9 @@ def test_heuristic_choices_are_pinned():
 
 def test_families_in_order_of_preference():
     names = [f.name for f in tb.FAMILIES]
-    want = ["fp8_gemm_persistent"] if tb.gluon_fp8_gemm is None else ["gluon_fp8_gemm_1d2d",
-                                                                      "fp8_gemm_persistent"]
+    want = ["k_grouped_fp8_gemm", "fp8_gemm_persistent"]
+    if tb.gluon_fp8_gemm is not None:
+        want.insert(0, "gluon_fp8_gemm_1d2d")
     assert names == want
     for fam in tb.FAMILIES:
         assert dataclasses.is_dataclass(fam.Config)
@@ -649,8 +650,9 @@ def test_families_in_order_of_preference():
 
 
 def test_supports_is_choose_family_and_keeps_every_reason():
-    """Every kind, recipe pair and format pair runs; what does not says why."""
-    for kind in GemmKind:
+    """Every dense and m-grouped kind, recipe pair and format pair runs; what does not says
+    why (k-grouped problems: tests/test_k_grouped.py)."""
+    for kind in (k for k in GemmKind if k is not GemmKind.K_GROUPED):
         for ra in (Recipe.TENSOR, Recipe.ROW, Recipe.GROUP):
             for rb in Recipe:
                 for da in (E4M3, E5M2):
@@ -729,7 +731,9 @@ def test_print_configs_prints_what_runs(monkeypatch, capsys):
     monkeypatch.setattr(tb, "device_facts", lambda device: H200)
     x = torch.zeros(1)
     probs = [_problem(m=4096, n=4096, k=7168), _problem(m=64, n=2112, k=7168, expected_m=61),
-             _problem(GemmKind.MASKED, 256, 4096, 7168, 4, expected_m=200)]
+             _problem(GemmKind.MASKED, 256, 4096, 7168, 4, expected_m=200),
+             _problem(GemmKind.K_GROUPED, 4096, 7168, 8 * 4096, 8, rb=Recipe.GROUP,
+                      out=torch.float32, has_c=True)]
     for prob in probs:
         tb._configs.pop((prob, H200), None)
         capsys.readouterr()

@@ -9,6 +9,7 @@ A backend is a module with:
     m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, m_indices, problem) -> None
     m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem) -> None
     m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem) -> None
+    k_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, c, ks, problem) -> None
 
 A backend defines the GEMM functions of the kinds its `supports` accepts; the others may be
 absent (the dispatcher never picks it for them). Optionally, for the ops layer's warm-call fast
@@ -28,7 +29,9 @@ instead. The ops layer asks once per metadata signature, and only where values g
 The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
 normalised shapes of `Recipe` (any strides), index tensors are contiguous int32, every tensor is
 on one device, and no dimension is zero. A backend writes only `out`; rows that belong to no group
-(m_indices -1, rows at or past masked_m[g]) are left untouched.
+(m_indices -1, rows at or past masked_m[g]) are left untouched. K-grouped: a [M, sum K],
+b [N, sum K], scales [M, S] and [N, S] (1x128 along each group's K), ks [G] (sum K > 0, a
+group's K may be 0), out [G, M, N] float32 written everywhere, c None, [G, M, N] or out itself.
 """
 
 from __future__ import annotations

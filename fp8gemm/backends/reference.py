@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..problem import SCALE_BLOCK, GemmProblem, Recipe
+from ..problem import SCALE_BLOCK, GemmProblem, Recipe, ceil_div
 
 NAME = "reference"
 
@@ -94,3 +94,34 @@ def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProbl
             continue
         sag = sa if problem.a_recipe is Recipe.TENSOR else sa[g, :m]
         _group_matmul_into(out[g, :m], a[g, :m], sag, b, sb, g, problem)
+
+
+def k_grouped_ranges(ks: list[int], sum_k: int, num_kb: int) -> list[tuple[int, int, int, int]]:
+    """(first column, K, first scale column, scale columns) of each group for K sizes `ks`,
+    clamped as the kernels clamp them: negative sizes count as 0, a group takes at most the
+    columns (and scale columns) that remain, so no group reads outside a, b or their scales."""
+    ranges, off, kb_off = [], 0, 0
+    for k in ks:
+        k = max(0, min(k, sum_k))
+        lo, kb_lo = min(off, sum_k), min(kb_off, num_kb)
+        ranges.append((lo, min(off + k, sum_k) - lo, kb_lo,
+                       min(kb_off + ceil_div(k, SCALE_BLOCK), num_kb) - kb_lo))
+        off, kb_off = off + k, kb_off + ceil_div(k, SCALE_BLOCK)
+    return ranges
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, c, ks, problem: GemmProblem) -> None:
+    """out[g] = c[g] + A_g . B_g^T, A_g the ks[g] columns of a after those of the groups before
+    (ks read on the host: this backend is the specification, not a graph-safe kernel)."""
+    for g, (lo, k, kb_lo, kb) in enumerate(k_grouped_ranges(ks.tolist(), problem.k, sa.shape[1])):
+        cols, scols = slice(lo, lo + k), slice(kb_lo, kb_lo + kb)
+        acc = out.new_zeros(problem.m, problem.n)
+        if k:
+            # NOTE: a group's blocks start at its first column; the scale columns of a group
+            # clamped short (values that do not add up) count as zero.
+            sag = torch.zeros(problem.m, ceil_div(k, SCALE_BLOCK), device=sa.device)
+            sbg = torch.zeros(problem.n, ceil_div(k, SCALE_BLOCK), device=sb.device)
+            sag[:, :kb], sbg[:, :kb] = sa[:, scols], sb[:, scols]
+            acc = (dequantize(a[:, cols], sag, Recipe.GROUP)
+                   @ dequantize(b[:, cols], sbg, Recipe.GROUP).T)
+        out[g].copy_(acc if c is None else acc + c[g])

@@ -456,9 +456,13 @@ def _fp8gemm_k_grouped(impl: str, name: str, data: CaseData) -> Impl:
     if op is not None:
         ks = torch.tensor(c.group_sizes, device=data.a.device, dtype=torch.int32)
         kwargs = {"backend": name} if "backend" in inspect.signature(op).parameters else {}
-        a, b = (data.a, data.sa), (data.b, data.sb)
+        # NOTE: the op takes the experts side by side along K, A [M, sum K_g] (what transposing
+        # the token-major activations gives), made here outside the timed call; its scales
+        # [M, sum ceil(K_g/128)] are the transposed [sum kb, M] ones (column-major views).
+        a = (_k_cat([e[0] for e in data.experts]), data.sa.t())
+        b = (_k_cat([e[2] for e in data.experts]), data.sb.t())
         fn = lambda: op(a, b, out, ks, c=out, **kwargs)  # noqa: E731
-        note = ("k_grouped_fp8_gemm_nt_contiguous, out += A_g . B_g^T, scales [sum K_g/128, M]"
+        note = ("k_grouped_fp8_gemm_nt_contiguous, out += A_g . B_g^T, A [M, sum K_g]"
                 + ("" if kwargs else "; the op picks its backend"))
         return Impl(impl, fn, lambda: out, note=note)
     outs = [out[g] for g in range(c.groups)]
@@ -472,6 +476,11 @@ def _fp8gemm_k_grouped(impl: str, name: str, data: CaseData) -> Impl:
     return Impl(impl, fn, lambda: out,
                 note="a loop of fp8_gemm_nt, one call per expert (fp8gemm has no "
                 "k_grouped_fp8_gemm_nt_contiguous yet); out[g] += A_g . B_g^T")
+
+
+def _k_cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    """fp8 [rows, K_g] tensors side by side, [rows, sum K_g] (through uint8, as `_u8_cat`)."""
+    return torch.cat([t.view(torch.uint8) for t in ts], dim=1).view(ts[0].dtype)
 
 
 def _device(data: CaseData) -> torch.device:

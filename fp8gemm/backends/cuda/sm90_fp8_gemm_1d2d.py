@@ -484,6 +484,9 @@ class Sm90Fp8Gemm1d2d(_Sm90Family):
         return _select_dense(problem.m, problem.n, problem.k, facts)
 
 
+_M_GROUPED = (GemmKind.CONTIGUOUS, GemmKind.OFFSETS, GemmKind.MASKED)
+
+
 class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
     """MoE grouped along M: contiguous (m_indices), offsets, masked (masked_m read on the device,
     expected_m picks the config). Rows of no group are neither computed nor written; a
@@ -492,8 +495,8 @@ class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
     name = "sm90_m_grouped_fp8_gemm_1d2d"
 
     def supports(self, problem: GemmProblem) -> str | None:
-        if problem.kind is GemmKind.DENSE:
-            return "takes grouped GEMMs, not dense"
+        if problem.kind not in _M_GROUPED:
+            return f"takes M-grouped GEMMs (contiguous, offsets, masked), not {problem.kind.value}"
         return _common_refusal(problem)
 
     def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Sm90Config:

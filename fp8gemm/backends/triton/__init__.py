@@ -5,7 +5,8 @@ Implements the backend contract of `fp8gemm.backends` (inputs validated and norm
 layer) with two kernel families, in order of preference (`FAMILIES`):
 
 - `gluon_fp8_gemm_1d2d` (gluon_fp8_gemm.py: sm_90, A 1x128 x B 128x128, large M, where its wave model says it is faster);
-- `fp8_gemm_persistent` (fp8_gemm.py), the persistent Triton kernel: everything.
+- `k_grouped_fp8_gemm` (k_grouped_fp8_gemm.py): k-grouped GEMMs (the MoE weight gradient);
+- `fp8_gemm_persistent` (fp8_gemm.py), the persistent Triton kernel: every other kind.
 
 The family and its config are chosen once per (problem, device) by the pure heuristics
 (`launch_config`), or with FP8GEMM_AUTOTUNE=1 the config is the fastest of the family's
@@ -27,7 +28,7 @@ from ..._settings import settings
 from ...layout import num_sms_override
 from ...problem import GemmProblem
 from ..family import DeviceFacts, KernelFamily, choose_family
-from . import fp8_gemm, tuning
+from . import fp8_gemm, k_grouped_fp8_gemm, tuning
 from .quant import quantize_per_block, quantize_per_token, silu_mul_quantize_per_token
 
 try:
@@ -37,12 +38,13 @@ except ImportError:  # a Triton without Gluon's Hopper API: the persistent kerne
 
 __all__ = ["NAME", "FAMILIES", "is_available", "supports", "device_facts", "family_for",
            "launch_config", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous",
-           "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked", "quantize_per_token",
-           "quantize_per_block", "silu_mul_quantize_per_token"]
+           "m_grouped_fp8_gemm_nt_offsets", "m_grouped_fp8_gemm_nt_masked",
+           "k_grouped_fp8_gemm_nt_contiguous", "quantize_per_token", "quantize_per_block",
+           "silu_mul_quantize_per_token"]
 
 NAME = "triton"
 FAMILIES: tuple[KernelFamily, ...] = tuple(
-    mod.FAMILY for mod in (gluon_fp8_gemm, fp8_gemm) if mod is not None)
+    mod.FAMILY for mod in (gluon_fp8_gemm, k_grouped_fp8_gemm, fp8_gemm) if mod is not None)
 
 # Fixed small facts for the CPU interpreter (4 "SMs" keep persistent grids short).
 INTERPRETER_FACTS = DeviceFacts("triton-interpreter", (9, 0), 4, 227 * 1024, interpreter=True)
@@ -169,3 +171,9 @@ def m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem: GemmProbl
 def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProblem) -> None:
     """out[g, m] = a[g, m] @ b[g]^T for m < min(masked_m[g], Mmax); other rows untouched."""
     _run(problem, a, sa, b, sb, out, None, masked_m)
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, c, ks, problem: GemmProblem) -> None:
+    """out[g] = c[g] + a[:, off_g : off_g + ks[g]] @ b[:, off_g : off_g + ks[g]]^T for every
+    group in one launch, ks read on the device (c None, [G, M, N] fp32, or out itself)."""
+    _run(problem, a, sa, b, sb, out, c, ks)

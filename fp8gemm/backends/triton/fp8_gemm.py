@@ -732,13 +732,15 @@ def dtype_refusal(problem: GemmProblem) -> str | None:
 
 
 class PersistentFamily(KernelFamily):
-    """The persistent Triton kernel: every kind, recipe, FP8 format pair, C and split-K, on any
-    GPU with FP8 dots and under the interpreter."""
+    """The persistent Triton kernel: dense and every m-grouped kind, every recipe, FP8 format
+    pair, C and split-K, on any GPU with FP8 dots and under the interpreter."""
 
     name = "fp8_gemm_persistent"
     Config = PersistentConfig
 
     def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind not in _KIND:
+            return f"takes dense and m-grouped GEMMs, not {problem.kind.value}"
         why = dtype_refusal(problem)
         if why is not None:
             return why
