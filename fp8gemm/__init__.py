@@ -15,8 +15,8 @@ from .ops import (fp8_gemm_nt, k_grouped_fp8_gemm_nt_contiguous,
                   m_grouped_fp8_gemm_nt_offsets)
 from .problem import GemmKind, GemmProblem, Recipe
 from .quant import (DelayedScaling, calc_diff, quantize_per_block, quantize_per_channel,
-                    quantize_per_tensor, quantize_per_token,
-                    silu_mul_quantize_per_token)
+                    quantize_per_block_transposed, quantize_per_tensor, quantize_per_token,
+                    quantize_per_token_transposed, silu_mul_quantize_per_token)
 
 from . import torch_ops  # noqa: E402  (registers torch.ops.fp8gemm.*, used while compiling)
 from . import nn  # noqa: E402  (fp8gemm.nn: Fp8Linear, Fp8MoE, convert)
@@ -27,7 +27,7 @@ __all__ = [
     "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
     "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
     "quantize_per_token", "quantize_per_block", "quantize_per_tensor", "quantize_per_channel",
-    "silu_mul_quantize_per_token",
+    "silu_mul_quantize_per_token", "quantize_per_token_transposed", "quantize_per_block_transposed",
     "DelayedScaling", "calc_diff",
     "get_tma_aligned_size", "get_col_major_tma_aligned_tensor",
     "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms",

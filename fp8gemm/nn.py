@@ -1,7 +1,9 @@
-"""nn modules over the fp8gemm ops (inference): Fp8Linear and Fp8MoE.
+"""nn modules over the fp8gemm ops: Fp8Linear and Fp8MoE, for inference and training.
 
 Weights are stored quantised per 128x128 block (DeepSeek-V3 recipe); activations are quantised
-per 1x128 token group on every call. The modules call the public ops (the warm eager fast path;
+per 1x128 token group on every call. With `trainable=True` a module keeps a bf16 (or float32)
+master weight as its nn.Parameter, quantises it again whenever it changed, and differentiates
+through FP8 GEMMs (see `_Fp8LinearFunction`). The modules call the public ops (the warm eager fast path;
 the `torch.ops.fp8gemm` custom ops while torch.compile traces) and capture in CUDA graphs (the
 masked MoE path needs no host synchronisation). `convert` swaps a model's nn.Linear layers.
 """
@@ -9,6 +11,7 @@ masked MoE path needs no host synchronisation). `convert` swaps a model's nn.Lin
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +19,7 @@ from torch import nn
 
 from . import quant
 from . import torch_ops  # noqa: F401  (registers torch.ops.fp8gemm)
-from .ops import fp8_gemm_nt
+from .ops import fp8_gemm_nt, m_grouped_fp8_gemm_nt_masked
 from .problem import SCALE_BLOCK, ceil_div
 from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_contiguous,
                   moe_dispatch_masked)
@@ -31,6 +34,100 @@ def _check_features(what: str, name: str, value) -> None:
         raise ValueError(f"{what}: {name} must be a non-negative int, got {value!r}")
 
 
+_MASTER_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_training_options(what: str, trainable, master_dtype, grad_format) -> None:
+    if not isinstance(trainable, bool):
+        raise TypeError(f"{what}: trainable must be a bool, got {trainable!r}")
+    if master_dtype not in _MASTER_DTYPES:
+        raise TypeError(f"{what}: master_dtype must be torch.bfloat16 or torch.float32, got "
+                        f"{master_dtype}")
+    if grad_format not in quant.FORMATS:
+        raise ValueError(f"{what}: grad_format must be 'e4m3' or 'e5m2', got {grad_format!r}")
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _Fp8Cache:
+    """The fp8 copy of a master weight, quantised again when the weight changed: its version
+    counter moved (every in-place update does that, an optimizer step included; writes through
+    `weight.data` do not, call `refresh()` after them) or its storage, dtype or device did.
+    While torch.compile traces, the copy is quantised in the graph on every call instead (the
+    compiled step then reads the weight it is given)."""
+
+    def __init__(self, fmt: str, pow2_scales: bool):
+        self.fmt, self.pow2_scales = fmt, pow2_scales
+        self.key = self.value = None
+
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return quant.quantize_per_block(w.detach(), self.fmt, pow2_scales=self.pow2_scales)
+        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        if key != self.key:
+            with torch.no_grad():
+                self.value = quant.quantize_per_block(w.detach(), self.fmt,
+                                                      pow2_scales=self.pow2_scales)
+            self.key = key
+        return self.value
+
+    def refresh(self) -> None:
+        self.key = self.value = None
+
+
+def _grad_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """GEMM output dtype of a gradient that ends in `dtype`: float32 for float32, else bf16
+    (the dtype the fastest kernels write)."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """y = x . W^T + bias through FP8 GEMMs, forward and backward.
+
+    forward:  y  = q(x) . q(W)^T + bias         x per 1x128 group along K, W per 128x128 block
+    backward: dX = q(dY) . q(W^T)^T             dY per 1x128 group along N (grad_fmt), W^T per
+                                                128x128 block, quantised again from the master
+              dW = q(dY^T) . q(X^T)^T           both per 1x128 group along the token axis (the
+                                                1x128-group B recipe), float32 output
+              db = sum of dY over tokens        float32
+    FP8 wgmma reads both operands K-major, so the transposes happen in the quantisers. Saved for
+    backward: X^T in fp8 with its scales (when W needs a gradient) and the master weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_q, w_s, fmt: str, grad_fmt: str, pow2: bool,
+                out_dtype: torch.dtype):
+        a, sa = quant.quantize_per_token(x, fmt, pow2_scales=pow2)
+        c = None if bias is None else bias.float().expand(x.shape[0], w_q.shape[0])
+        y = fp8_gemm_nt((a, sa), (w_q, w_s), c=c, out_dtype=out_dtype)
+        xt = st = None
+        if ctx.needs_input_grad[1]:
+            xt, st = quant.quantize_per_token_transposed(x, fmt, pow2_scales=pow2)
+        ctx.save_for_backward(xt, st, weight)
+        ctx.fmt, ctx.grad_fmt, ctx.pow2, ctx.x_dtype = fmt, grad_fmt, pow2, x.dtype
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xt, st, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            g, sg = quant.quantize_per_token(dy, ctx.grad_fmt, pow2_scales=ctx.pow2)
+            wt, swt = quant.quantize_per_block_transposed(weight.detach(), ctx.fmt,
+                                                          pow2_scales=ctx.pow2)
+            dx = fp8_gemm_nt((g, sg), (wt, swt),
+                             out_dtype=_grad_out_dtype(ctx.x_dtype)).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            gt, sgt = quant.quantize_per_token_transposed(dy, ctx.grad_fmt, pow2_scales=ctx.pow2)
+            dw = fp8_gemm_nt((gt, sgt), (xt, st), out_dtype=torch.float32).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.float().sum(0)
+        return dx, dw, db, None, None, None, None, None, None
+
+
 class Fp8Linear(nn.Module):
     """y = x @ W^T + bias with W in fp8 (128x128 block scales) and x quantised per 1x128 group.
 
@@ -38,21 +135,46 @@ class Fp8Linear(nn.Module):
     bias is kept in float32 and added to the float32 accumulator (the GEMM's `c` input), so the
     output is rounded once. `name` (set by `convert` to the layer's path in its model) appears in
     every error the layer raises.
+
+    Inference (default): `weight` is an fp8 buffer [out_features, in_features] with
+    `weight_scale` [ceil(out/128), ceil(in/128)], quantised once by `load_weight`.
+
+    Training (`trainable=True`): `weight` is an nn.Parameter in `master_dtype` (bf16 or
+    float32, initialised as nn.Linear's), `bias` a float32 nn.Parameter; the fp8 copy the
+    forward reads is quantised again whenever the weight changed (`refresh_weight()` after
+    writes through `weight.data`). Gradients flow through FP8 GEMMs: dY is quantised in
+    `grad_format` ("e4m3", or "e5m2" for its wider range), W^T per 128x128 block and dY^T, X^T
+    per 1x128 group along the tokens; `pow2_scales` rounds every scale up to a power of two.
+    Without a gradient to compute (torch.no_grad, eval) it runs the inference path on the
+    cached copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  fmt: str = "e4m3", out_dtype: torch.dtype = torch.bfloat16, device=None,
-                 name: str | None = None):
+                 name: str | None = None, trainable: bool = False,
+                 master_dtype: torch.dtype = torch.bfloat16, grad_format: str = "e4m3",
+                 pow2_scales: bool = False):
         super().__init__()
         self.name = name
-        _check_features(self._what(in_features, out_features), "in_features", in_features)
-        _check_features(self._what(in_features, out_features), "out_features", out_features)
+        what = self._what(in_features, out_features)
+        _check_features(what, "in_features", in_features)
+        _check_features(what, "out_features", out_features)
         if out_dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"{self._what(in_features, out_features)}: out_dtype must be "
-                            f"torch.bfloat16 or torch.float32, got {out_dtype}")
+            raise TypeError(f"{what}: out_dtype must be torch.bfloat16 or torch.float32, got "
+                            f"{out_dtype}")
+        _check_training_options(what, trainable, master_dtype, grad_format)
         self.in_features, self.out_features, self.fmt, self.out_dtype = (
             in_features, out_features, fmt, out_dtype)
+        self.trainable, self.grad_format, self.pow2_scales = trainable, grad_format, pow2_scales
         dtype, _ = quant.fp8_dtype(fmt)
+        if trainable:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=master_dtype,
+                                                   device=device))
+            self.bias = (nn.Parameter(torch.empty(out_features, dtype=torch.float32,
+                                                  device=device)) if bias else None)
+            self._fp8 = _Fp8Cache(fmt, pow2_scales)
+            self.reset_parameters()
+            return
         nb, kb = ceil_div(out_features, SCALE_BLOCK), ceil_div(in_features, SCALE_BLOCK)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype,
                                                    device=device))
@@ -60,6 +182,23 @@ class Fp8Linear(nn.Module):
                                                         device=device))
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=torch.float32, device=device),
                                   requires_grad=False) if bias else None)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of a trainable layer's master weight and bias."""
+        if not self.trainable:
+            raise ValueError(f"{self._what()}: reset_parameters needs trainable=True (an "
+                             f"inference layer's weight comes from load_weight)")
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features else 0.0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def refresh_weight(self) -> None:
+        """Quantise a trainable layer's master weight again on the next call (needed only after
+        writes that bypass its version counter, such as through `weight.data`)."""
+        if self.trainable:
+            self._fp8.refresh()
 
     def _what(self, in_features=None, out_features=None) -> str:
         if self.name is not None:
@@ -71,19 +210,22 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str = "e4m3",
                     out_dtype: torch.dtype = torch.bfloat16, *,
-                    name: str | None = None) -> "Fp8Linear":
-        """Quantise an nn.Linear's weight per 128x128 block (once, here)."""
+                    name: str | None = None, **training) -> "Fp8Linear":
+        """Quantise an nn.Linear's weight per 128x128 block (once, here); with
+        `trainable=True` (and the other training options of `Fp8Linear`) copy it into the
+        master weight instead."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear{f' ({name!r})' if name else ''}, "
                             f"got {type(linear).__name__}")
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
-                out_dtype=out_dtype, device=linear.weight.device, name=name)
+                out_dtype=out_dtype, device=linear.weight.device, name=name, **training)
         m.load_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
         return m
 
     @torch.no_grad()
     def load_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Quantise `weight` [out_features, in_features] into this layer; copy `bias`."""
+        """Quantise `weight` [out_features, in_features] into this layer (a trainable one copies
+        it into its master weight); copy `bias`."""
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise TypeError(f"{self._what()}: weight must be a floating-point tensor, got "
                             f"{getattr(weight, 'dtype', type(weight).__name__)}")
@@ -94,9 +236,12 @@ class Fp8Linear(nn.Module):
             bad = int((~torch.isfinite(weight)).sum())
             raise ValueError(f"{self._what()}: weight must be finite to quantise to fp8, got "
                              f"{bad} NaN or Inf value(s)")
-        q, s = quant.quantize_per_block(weight, self.fmt)
-        self.weight.copy_(q)
-        self.weight_scale.copy_(s)
+        if self.trainable:
+            self.weight.copy_(weight)  # (bumps the version: the fp8 copy follows)
+        else:
+            q, s = quant.quantize_per_block(weight, self.fmt, pow2_scales=self.pow2_scales)
+            self.weight.copy_(q)
+            self.weight_scale.copy_(s)
         if bias is not None:
             if self.bias is None:
                 raise ValueError(f"{self._what()}: bias given but the layer has bias=False")
@@ -111,16 +256,34 @@ class Fp8Linear(nn.Module):
                              f"{list(getattr(x, 'shape', []))}")
         lead = x.shape[:-1]
         x2 = x.reshape(lead.numel(), self.in_features)  # (-1 is ambiguous when in_features = 0)
-        a, sa = quant.quantize_per_token(x2, self.fmt)
-        c = None
-        if self.bias is not None:  # added in float32, before the one rounding to out_dtype
-            c = self.bias.expand(x2.shape[0], self.out_features)
-        y = fp8_gemm_nt((a, sa), (self.weight, self.weight_scale), c=c, out_dtype=self.out_dtype)
+        if self.trainable:
+            y = self._forward_trainable(x2)
+        else:
+            a, sa = quant.quantize_per_token(x2, self.fmt, pow2_scales=self.pow2_scales)
+            c = None
+            if self.bias is not None:  # added in float32, before the one rounding to out_dtype
+                c = self.bias.expand(x2.shape[0], self.out_features)
+            y = fp8_gemm_nt((a, sa), (self.weight, self.weight_scale), c=c,
+                            out_dtype=self.out_dtype)
         return y.reshape(*lead, self.out_features)
 
+    def _forward_trainable(self, x2: torch.Tensor) -> torch.Tensor:
+        w_q, w_s = self._fp8.get(self.weight)
+        bias = self.bias
+        if _needs_grad(x2, self.weight, bias):
+            return _Fp8LinearFunction.apply(x2, self.weight, bias, w_q, w_s, self.fmt,
+                                            self.grad_format, self.pow2_scales, self.out_dtype)
+        a, sa = quant.quantize_per_token(x2, self.fmt, pow2_scales=self.pow2_scales)
+        c = None if bias is None else bias.detach().expand(x2.shape[0], self.out_features)
+        return fp8_gemm_nt((a, sa), (w_q, w_s), c=c, out_dtype=self.out_dtype)
+
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+        text = (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, fmt={self.fmt}")
+        if self.trainable:
+            text += (f", trainable, master_dtype={self.weight.dtype}, "
+                     f"grad_format={self.grad_format}")
+        return text + (", pow2_scales" if self.pow2_scales else "")
 
 
 @dataclass
@@ -209,6 +372,100 @@ def _why_kept(name, layer, include, exclude, min_features) -> str | None:
     return None
 
 
+def _silu_mul_backward(h13: torch.Tensor, dz: torch.Tensor):
+    """(dH13, z) for z = silu(gate) * up, [gate | up] = h13, in float32."""
+    gate, up = h13.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dz = dz.float()
+    dgate = dz * up * (sig * (1 + gate * (1 - sig)))
+    return torch.cat([dgate, dz * silu], dim=-1), silu * up
+
+
+def _expert_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad_fmt: str,
+                  fmt: str, pow2: bool) -> torch.Tensor:
+    """dW[g] = dY_g^T . X_g for the rows offsets[g]:offsets[g+1] of dy [R, N] and x [R, K]:
+    float32 [G, N, K], in one masked grouped GEMM whose GEMM-K is the token axis.
+
+    Each expert's rows are gathered into [G, Tmax, .] (zero rows past its count, which add
+    nothing and leave every 1x128 amax as it was), quantised along the tokens with the
+    transposing quantiser, and multiplied as A_g = dY_g^T [N, Tmax], B_g = X_g^T [K, Tmax]
+    (1x128-group B scales). Tmax is read on the host (one synchronisation, as the contiguous
+    layout's own sizing)."""
+    g = offsets.numel() - 1
+    rows, n, k = dy.shape[0], dy.shape[1], x.shape[1]
+    starts = offsets[:-1].long()
+    counts = offsets[1:].long() - starts
+    tmax = int(counts.max()) if g else 0
+    if tmax == 0:
+        return torch.zeros(g, n, k, dtype=torch.float32, device=dy.device)
+    t = torch.arange(tmax, device=dy.device)
+    index = torch.where(t < counts[:, None], starts[:, None] + t, rows)  # row `rows`: zeros
+
+    def gather(v):
+        return torch.cat([v, v.new_zeros(1, v.shape[1])])[index]  # [G, Tmax, C]
+
+    a, sa = quant.quantize_per_token_transposed(gather(dy), grad_fmt, pow2_scales=pow2)
+    b, sb = quant.quantize_per_token_transposed(gather(x), fmt, pow2_scales=pow2)
+    masked_m = torch.full((g,), n, dtype=torch.int32, device=dy.device)
+    return m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), None, masked_m, n,
+                                        out_dtype=torch.float32)
+
+
+def _grouped(a, sa, b, sb, rows_index, layout: str, out_dtype=torch.bfloat16):
+    """The contiguous (rows_index = m_indices) or offsets (rows_index = offsets) grouped GEMM."""
+    if layout == "contiguous":
+        return _ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, rows_index, out_dtype)
+    return _ops.m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, rows_index, out_dtype)
+
+
+class _Fp8ExpertsFunction(torch.autograd.Function):
+    """The expert part of Fp8MoE on rows already grouped by expert (contiguous or offsets
+    layout): y = W2_g . (silu(W1_g x) * W3_g x) through FP8 GEMMs, forward and backward.
+
+    forward:  h13 = q(x) . q(W13_g)^T,  z = silu(gate) * up,  y = q(z) . q(W2_g)^T
+    backward: dz  = q(dY) . q(W2_g^T)^T       (grouped, the layout of the forward)
+              dh13 from dz through SiLU * mul, in float32
+              dx  = q(dh13) . q(W13_g^T)^T    (grouped)
+              dW2_g = q(dY_g^T) . q(Z_g^T)^T, dW13_g = q(dh13_g^T) . q(X_g^T)^T (`_expert_wgrad`)
+    Gradients are quantised in grad_fmt, per 1x128 group (along the features for dgrad, along
+    the tokens for wgrad); weights per 128x128 block, W^T quantised again from the master.
+    Saved: x and h13 in their own dtype (the wgrad needs them along the token axis) and the
+    master weights. Padding rows stay zero throughout (the grouped GEMMs leave them zero).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, w13_q, w13_s, w2_q, w2_s, rows_index, offsets, layout: str,
+                fmt: str, grad_fmt: str, pow2: bool):
+        a, sa = quant.quantize_per_token(x, fmt, pow2_scales=pow2)
+        h13 = _grouped(a, sa, w13_q, w13_s, rows_index, layout)
+        a2, sa2 = quant.silu_mul_quantize_per_token(h13, fmt, pow2_scales=pow2)
+        y = _grouped(a2, sa2, w2_q, w2_s, rows_index, layout)
+        ctx.save_for_backward(x, h13, w13, w2, rows_index, offsets)
+        ctx.layout, ctx.fmt, ctx.grad_fmt, ctx.pow2 = layout, fmt, grad_fmt, pow2
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h13, w13, w2, rows_index, offsets = ctx.saved_tensors
+        fmt, gfmt, pow2 = ctx.fmt, ctx.grad_fmt, ctx.pow2
+        g, sg = quant.quantize_per_token(dy, gfmt, pow2_scales=pow2)
+        w2t, s2t = quant.quantize_per_block_transposed(w2.detach(), fmt, pow2_scales=pow2)
+        dz = _grouped(g, sg, w2t, s2t, rows_index, ctx.layout)
+        dh13, z = _silu_mul_backward(h13, dz)
+        dx = dw13 = dw2 = None
+        if ctx.needs_input_grad[0]:
+            gh, sgh = quant.quantize_per_token(dh13, gfmt, pow2_scales=pow2)
+            w13t, s13t = quant.quantize_per_block_transposed(w13.detach(), fmt, pow2_scales=pow2)
+            dx = _grouped(gh, sgh, w13t, s13t, rows_index, ctx.layout,
+                          _grad_out_dtype(x.dtype)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw13 = _expert_wgrad(dh13, x, offsets, gfmt, fmt, pow2).to(w13.dtype)
+        if ctx.needs_input_grad[2]:
+            dw2 = _expert_wgrad(dy, z, offsets, gfmt, fmt, pow2).to(w2.dtype)
+        return (dx, dw13, dw2) + (None,) * 10
+
+
 class Fp8MoE(nn.Module):
     """A SwiGLU mixture of experts with fp8 expert weights, routed by the caller:
 
@@ -217,15 +474,33 @@ class Fp8MoE(nn.Module):
     w13 [G, 2*I, H] (W1 rows then W3 rows) and w2 [G, H, I], each quantised per 128x128 block.
     Runs the contiguous grouped GEMM (compact) or, while a CUDA graph is captured, the masked
     one (no host synchronisation); `forward(layout=...)` picks explicitly.
+
+    Training (`trainable=True`): w13 and w2 are nn.Parameters in `master_dtype`, their fp8
+    copies quantised again whenever they changed; with a gradient to compute, forward runs the
+    contiguous (or offsets) layout through `_Fp8ExpertsFunction`, and gradients reach x, the
+    weights and topk_weights (through the combine). `grad_format` and `pow2_scales` as for
+    Fp8Linear.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, fmt: str = "e4m3",
-                 device=None):
+                 device=None, trainable: bool = False, master_dtype: torch.dtype = torch.bfloat16,
+                 grad_format: str = "e4m3", pow2_scales: bool = False):
         super().__init__()
+        _check_training_options("Fp8MoE", trainable, master_dtype, grad_format)
         self.num_experts, self.hidden, self.intermediate, self.fmt = (
             num_experts, hidden, intermediate, fmt)
+        self.trainable, self.grad_format, self.pow2_scales = trainable, grad_format, pow2_scales
         dtype, _ = quant.fp8_dtype(fmt)
         g, h, i = num_experts, hidden, intermediate
+        if trainable:
+            self.w13 = nn.Parameter(torch.empty(g, 2 * i, h, dtype=master_dtype, device=device))
+            self.w2 = nn.Parameter(torch.empty(g, h, i, dtype=master_dtype, device=device))
+            self._fp8 = {"w13": _Fp8Cache(fmt, pow2_scales), "w2": _Fp8Cache(fmt, pow2_scales)}
+            with torch.no_grad():  # nn.Linear's bound, 1/sqrt(fan_in), for each expert
+                for w in (self.w13, self.w2):
+                    bound = 1 / math.sqrt(w.shape[-1]) if w.shape[-1] else 0.0
+                    w.uniform_(-bound, bound)
+            return
         self.register_buffer("w13", torch.zeros(g, 2 * i, h, dtype=dtype, device=device))
         self.register_buffer("w13_scale", torch.ones(g, -(-2 * i // 128), -(-h // 128),
                                                      device=device))
@@ -234,15 +509,32 @@ class Fp8MoE(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Quantise w13 [G, 2I, H] and w2 [G, H, I] into the module (a trainable one copies
+        them into its master weights)."""
         g, h, i = self.num_experts, self.hidden, self.intermediate
         if tuple(w13.shape) != (g, 2 * i, h):
             raise ValueError(f"w13 must be [{g}, {2 * i}, {h}], got {list(w13.shape)}")
         if tuple(w2.shape) != (g, h, i):
             raise ValueError(f"w2 must be [{g}, {h}, {i}], got {list(w2.shape)}")
         for name, w in (("w13", w13), ("w2", w2)):
-            q, s = quant.quantize_per_block(w, self.fmt)
+            if self.trainable:
+                getattr(self, name).copy_(w)
+                continue
+            q, s = quant.quantize_per_block(w, self.fmt, pow2_scales=self.pow2_scales)
             getattr(self, name).copy_(q)
             getattr(self, f"{name}_scale").copy_(s)
+
+    def refresh_weights(self) -> None:
+        """Quantise a trainable module's master weights again on the next call (needed only
+        after writes that bypass their version counters, such as through `.data`)."""
+        if self.trainable:
+            for cache in self._fp8.values():
+                cache.refresh()
+
+    def _fp8_weights(self):
+        if not self.trainable:
+            return self.w13, self.w13_scale, self.w2, self.w2_scale
+        return (*self._fp8["w13"].get(self.w13), *self._fp8["w2"].get(self.w2))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 layout: str = "auto", max_m: int | None = None,
@@ -252,40 +544,59 @@ class Fp8MoE(nn.Module):
 
         layout: "masked" ([G, max_m, H] per-expert buffers, no host synchronisation: CUDA-graph
         safe; max_m defaults to T, and slots past it are dropped), "contiguous" (rows grouped by
-        expert, padded to the kernels' M tile: compact, one host synchronisation to size it), or
-        "auto": masked while a CUDA graph is being captured or torch.compile traces, else
-        contiguous.
+        expert, padded to the kernels' M tile: compact, one host synchronisation to size it),
+        "offsets" (the same without padding), or "auto": masked while a CUDA graph is being
+        captured or torch.compile traces, else contiguous. A trainable module computing a
+        gradient runs "contiguous" for "auto" and refuses "masked".
         """
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be [T, {self.hidden}], got {list(x.shape)}")
+        training = self.trainable and _needs_grad(x, self.w13, self.w2, topk_weights)
         if layout == "auto":  # the contiguous layout sizes its buffers on the host
-            capturing = torch.compiler.is_compiling() or (
-                x.is_cuda and torch.cuda.is_current_stream_capturing())
+            capturing = not training and (torch.compiler.is_compiling() or (
+                x.is_cuda and torch.cuda.is_current_stream_capturing()))
             layout = "masked" if capturing else "contiguous"
+        if layout not in ("masked", "contiguous", "offsets"):
+            raise ValueError(f"layout must be 'auto', 'masked', 'contiguous' or 'offsets', got "
+                             f"{layout!r}")
+        weights = self._fp8_weights()
+        if training:
+            if layout == "masked":
+                raise ValueError("Fp8MoE: training (a gradient to compute) runs the "
+                                 "'contiguous' or 'offsets' layout, got layout='masked'")
+            return self._forward_training(x, topk_ids, topk_weights, layout, weights)
         if layout == "masked":
-            return self._forward_masked(x, topk_ids, topk_weights, max_m, expected_m)
-        if layout == "contiguous":
-            return self._forward_contiguous(x, topk_ids, topk_weights)
-        raise ValueError(f"layout must be 'auto', 'masked' or 'contiguous', got {layout!r}")
+            return self._forward_masked(x, topk_ids, topk_weights, max_m, expected_m, weights)
+        return self._forward_grouped(x, topk_ids, topk_weights, layout, weights)
 
-    def _forward_masked(self, x, topk_ids, topk_weights, max_m, expected_m):
+    def _forward_masked(self, x, topk_ids, topk_weights, max_m, expected_m, weights):
+        w13, s13, w2, s2 = weights
         lay = moe_dispatch_masked(x, topk_ids, self.num_experts, max_m)
         em = expected_m if expected_m is not None else max(
             1, x.shape[0] * topk_ids.shape[1] // self.num_experts)
-        a, sa = _ops.quantize_per_token(lay.x, self.fmt)
-        h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, self.w13, self.w13_scale, lay.masked_m,
-                                                em, torch.bfloat16)
-        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt)
-        y = _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, self.w2, self.w2_scale, lay.masked_m, em,
-                                              torch.bfloat16)
+        a, sa = _ops.quantize_per_token(lay.x, self.fmt, self.pow2_scales)
+        h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, w13, s13, lay.masked_m, em, torch.bfloat16)
+        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
+        y = _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, w2, s2, lay.masked_m, em, torch.bfloat16)
         return moe_combine_masked(y, lay, topk_weights).to(x.dtype)
 
-    def _forward_contiguous(self, x, topk_ids, topk_weights):
-        lay = moe_dispatch_contiguous(x, topk_ids, self.num_experts)
-        a, sa = _ops.quantize_per_token(lay.x, self.fmt)
-        h13 = _ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, self.w13, self.w13_scale, lay.m_indices,
-                                                    torch.bfloat16)
-        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt)
-        y = _ops.m_grouped_fp8_gemm_nt_contiguous(a2, sa2, self.w2, self.w2_scale, lay.m_indices,
-                                                  torch.bfloat16)
+    def _dispatch(self, x, topk_ids, layout):
+        lay = moe_dispatch_contiguous(x, topk_ids, self.num_experts,
+                                      None if layout == "contiguous" else 1)
+        return lay, (lay.m_indices if layout == "contiguous" else lay.offsets)
+
+    def _forward_grouped(self, x, topk_ids, topk_weights, layout, weights):
+        w13, s13, w2, s2 = weights
+        lay, rows_index = self._dispatch(x, topk_ids, layout)
+        a, sa = _ops.quantize_per_token(lay.x, self.fmt, self.pow2_scales)
+        h13 = _grouped(a, sa, w13, s13, rows_index, layout)
+        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
+        y = _grouped(a2, sa2, w2, s2, rows_index, layout)
+        return moe_combine_contiguous(y, lay, topk_weights).to(x.dtype)
+
+    def _forward_training(self, x, topk_ids, topk_weights, layout, weights):
+        lay, rows_index = self._dispatch(x, topk_ids, layout)  # (differentiable in x)
+        y = _Fp8ExpertsFunction.apply(lay.x, self.w13, self.w2, *weights, rows_index,
+                                      lay.offsets, layout, self.fmt, self.grad_format,
+                                      self.pow2_scales)
         return moe_combine_contiguous(y, lay, topk_weights).to(x.dtype)

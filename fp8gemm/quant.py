@@ -17,6 +17,7 @@ from .problem import SCALE_BLOCK
 
 __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
            "quantize_per_tensor", "quantize_per_channel", "silu_mul_quantize_per_token",
+           "quantize_per_token_transposed", "quantize_per_block_transposed",
            "DelayedScaling", "calc_diff"]
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
@@ -167,6 +168,40 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     if kernels is not None:
         return kernels.quantize_per_block(w, fmt, pow2_scales=pow2_scales)
     return per_block_torch(w, fmt, pow2_scales)
+
+
+# NOTE: the transposing quantisers are the quantisers above on a transposed view. The Triton
+# kernels take any strides and write q row-major, so on the GPU each is one kernel: one read of
+# x through the view, one write of q [C, T] (no transposed copy of x in between). The torch
+# twin reads the view too and writes q contiguous.
+
+def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
+                                  pow2_scales: bool = False,
+                                  col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed operand of a weight gradient, quantised along the token axis.
+
+    x [..., T, C] float -> (q [..., C, T] fp8 row-major, s [..., C, ceil(T/128)] float32): x^T
+    quantised per 1x128 group along T, exactly `quantize_per_token(x.transpose(-1, -2))`. For
+    dW = dY^T . X both dY [T, N] and X [T, K] go through here: A = dY^T [N, T] with 1x128 A
+    scales, B = X^T [K, T] with the 1x128-group B scales [K, ceil(T/128)] of `fp8_gemm_nt`.
+    Scales column-major (M padded to 16 bytes) unless col_major_scales=False.
+    """
+    _check_input(x, 2)
+    return quantize_per_token(x.transpose(-1, -2), fmt, pow2_scales=pow2_scales,
+                              col_major_scales=col_major_scales)
+
+
+def quantize_per_block_transposed(w: torch.Tensor, fmt: str = "e4m3", *,
+                                  pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transposed weight of an input gradient, quantised per 128x128 block.
+
+    w [..., N, K] float -> (q [..., K, N] fp8 row-major, s [..., ceil(K/128), ceil(N/128)]
+    float32), exactly `quantize_per_block(w.transpose(-1, -2))`: the B operand of
+    dX = dY . W run as the NT GEMM dY . (W^T)^T. A block of W^T holds the values of one block
+    of W, so q and s are the transposes of `quantize_per_block(w)`'s, bit for bit.
+    """
+    _check_input(w, 2)
+    return quantize_per_block(w.transpose(-1, -2), fmt, pow2_scales=pow2_scales)
 
 
 # The torch twins of the three quantisers above: their specification, what runs where the
