@@ -15,8 +15,8 @@
 #   SKIP_TESTS=1       no pytest;  SKIP_BENCH=1: no benchmark
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
 #   TEST_ARGS="..."    extra pytest arguments (e.g. "-k triton" or "-x")
-#   TEST_TIMEOUT=210   seconds for the tests
-#   TIME_BUDGET=460    seconds for the whole script; the suites share what the tests leave
+#   TEST_TIMEOUT=330   seconds for the tests
+#   TIME_BUDGET=570    seconds for the whole script; the suites share what the tests leave
 #   FP8GEMM_COMMIT     recorded in the results (else git rev-parse, where .git exists). Through the
 #                      device tool, write the hash in literally: the copy's .git there can be stale.
 #   DEEPGEMM_DIR       DeepGEMM's checkout (default .peers/deepgemm): on PYTHONPATH when present, so
@@ -39,8 +39,8 @@ fi
 export FP8GEMM_COMMIT
 SUITES="${SUITES:-deepseek-dense deepseek-grouped irregular}"
 SUITES="${SUITES//,/ }"
-TIME_BUDGET="${TIME_BUDGET:-460}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-210}"
+TIME_BUDGET="${TIME_BUDGET:-570}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-330}"
 START=$SECONDS
 WORK="$(mktemp -d /tmp/gpu_check.XXXXXX)"
 

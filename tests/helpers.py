@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from fp8gemm.jit.compiler import CompilerUnavailable, get_compiler
-from fp8gemm.problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
+from fp8gemm.problem import SCALE_BLOCK, GemmProblem, Recipe, ceil_div
 
 HOPPER_CAPABILITY = (9, 0)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -75,6 +75,12 @@ TOLERANCES = {
         "1.5e-11 at K = 16384, 60x under the bound; blocked summation errs less (7e-14 "
         "measured at K = 16384 on the CPU). One bf16 rounding anywhere on the path (~1e-6) is "
         "caught.")),
+    ("gemm tensor cores", torch.float32): Tolerance(1e-8, _GEMM, (
+        "on the GPU the FP8 tensor cores sum each 128-deep block with about 14 significant bits "
+        "(truncated) before the FP32 promotion, so an fp32 output errs ~2^-28 / 12 ~ 3e-10 per "
+        "block sum, with room for the truncation's bias: 1.0e-9 to 6.8e-9 measured on the H200 "
+        "for the backward GEMMs (e4m3 and e5m2, K <= 300). A wrong scale block or a lost K tail "
+        "gives ~1e-3.")),
     ("bench peer", "torch-bf16"): Tolerance(1e-4, _GEMM, (
         "the dequantised inputs rounded to bf16 (8 significant bits) before a float32 matmul: two "
         "independent input roundings and the output's give calc_diff ~ 3 * 2^-16 / 12 = 3.8e-6 "
@@ -102,6 +108,7 @@ TOLERANCES = {
 # The bounds by the name tests use them under.
 TOL = {dt: TOLERANCES["gemm", dt].bound for dt in OUT_DTYPES}  # GEMM calc_diff per output dtype
 BF16_DIFF, FP32_DIFF = TOL[torch.bfloat16], TOL[torch.float32]
+TENSOR_CORE_FP32_DIFF = TOLERANCES["gemm tensor cores", torch.float32].bound  # fp32 out on the GPU
 INTERPRETED_BF16_DIFF = TOLERANCES["gemm interpreted", torch.bfloat16].bound
 QUANT_TOL = {dt: TOLERANCES["quantise", dt].bound for dt in FP8_DTYPES}
 FP8_STEP_FRACTION = TOLERANCES["quantise", "fp8-step"].bound
@@ -299,12 +306,33 @@ def ref_quant_groups(x: torch.Tensor, fmt: str, pow2: bool):
     amax / fmt max, amax floored at 1e-4; pow2 rounds the scale up to a power of two)."""
     dtype = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
     fmax = FP8_MAX[dtype]
-    amax = x.abs().amax(-1).clamp(min=1e-4)
+    amax = x.double().abs().amax(-1).clamp(min=1e-4)
     scale = amax / fmax
     if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (x / scale[..., None]).clamp(-fmax, fmax).to(dtype)
+        scale = pow2_ceil(scale)
+    q = round_to_fp8(x.double() / scale[..., None], dtype)
     return q, scale
+
+
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= v > 0, exactly (frexp, not log2: CUDA's float64 log2 of a
+    power of two can land an ulp below it, and its ceil a binade too high)."""
+    m, e = torch.frexp(v.double())
+    return torch.where(m == 0.5, v.double(), torch.ldexp(torch.ones_like(v, dtype=torch.float64), e))
+
+
+def round_to_fp8(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 v rounded once to the nearest fp8 value (ties to even), clamped to the format's
+    range: the exact cast (a cast through float32 would round twice)."""
+    fi = torch.finfo(dtype)
+    mant = {E4M3: 3, E5M2: 2}[dtype]
+    emin = int(torch.frexp(torch.tensor(fi.tiny, dtype=torch.float64))[1]) - 1  # smallest normal
+    a = v.double().abs()
+    _, e = torch.frexp(a)
+    step = torch.ldexp(torch.ones_like(a), torch.clamp(e - 1, min=emin) - mant)
+    q = torch.round(a / step) * step
+    q = torch.copysign(q.clamp(max=fi.max), v.double())
+    return q.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -33,7 +35,10 @@ def test_peers_are_correct_at_small_shapes():
              Case("t", "contiguous", 128, 256, 512, 2), Case("t", "masked", 64, 256, 512, 2)]
     res = run_cases(cases, list(impls.PEER_IMPLS), dev, 30, block_way=way, log=lambda s: None)
     assert res.aborted is None
-    assert not res.skips, res.skips
+    # DeepGEMM is an optional peer: absent, it is skipped with that reason and nothing else is.
+    absent = importlib.util.find_spec("deep_gemm") is None
+    skips = [sk for sk in res.skips if not (absent and sk[1] == "deepgemm")]
+    assert not skips, skips
     for r in res.rows:
         # cublas-block computes exactly our recipe; the others quantise differently or in bf16
         limit = (TOL[torch.bfloat16] if r["impl"] == "cublas-block"
