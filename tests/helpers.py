@@ -27,6 +27,7 @@ import torch
 
 from fp8gemm.jit.compiler import CompilerUnavailable, get_compiler
 from fp8gemm.problem import SCALE_BLOCK, GemmProblem, Recipe, ceil_div
+from fp8gemm.problem import GemmKind  # noqa: F401 (re-exported: tests import it from here)
 
 HOPPER_CAPABILITY = (9, 0)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -96,13 +97,14 @@ TOLERANCES = {
     ("quantise", E5M2): Tolerance(1e-2, _QUANT, (
         "e5m2 has 3 significant bits: calc_diff ~ 2^-6 / 12 = 1.3e-3 (1.4e-3 measured) and at "
         "most 2^-6 / 2 = 7.8e-3.")),
-    ("quantise", "fp8-step"): Tolerance(1e-3, (
+    ("quantise", "fp8-step"): Tolerance(5e-3, (
         "fraction of elements one fp8 step from the quantisation spec (none further)"), (
         "a kernel that forms x / scale as x * (1 / scale), or rounds to the fp8 grid in its own "
         "float32 arithmetic (the Triton interpreter's fp8 cast does not round to nearest), "
-        "agrees with the spec but for values within one float32 rounding of a midpoint between "
-        "two fp8 values, which go either way: rare, 1 in 1000 allowed. A wrong scale moves most "
-        "elements by more than one step.")),
+        "agrees with the exact float64 spec but for values within one float32 rounding of a "
+        "midpoint between two fp8 values, which go either way. Inputs with few significant bits "
+        "(bf16) land on midpoints often: 1.2e-3 measured (Triton under the interpreter and on "
+        "the H200, e4m3, [37, 200]). A wrong scale moves most elements by more than one step.")),
 }
 
 # The bounds by the name tests use them under.
@@ -310,7 +312,10 @@ def ref_quant_groups(x: torch.Tensor, fmt: str, pow2: bool):
     scale = amax / fmax
     if pow2:
         scale = pow2_ceil(scale)
-    q = round_to_fp8(x.double() / scale[..., None], dtype)
+    # NOTE: the scale in x's precision (one correctly rounded division, as the kernels make it),
+    # and q from that scale.
+    scale = scale.to(x.dtype)
+    q = round_to_fp8(x.double() / scale.double()[..., None], dtype)
     return q, scale
 
 
