@@ -5,6 +5,8 @@ to run it. It owns
 
 - `name`, and `Config`: its frozen config dataclass (hashable, a cache key, prints readably);
 - `supports(problem) -> str | None`: None when it runs the problem, else why not;
+- `declines(problem, facts) -> str | None`: why a supported problem is left to a later family
+  of the table on this device (its model says another kernel is faster there); default never;
 - `select_config(problem, facts) -> Config`: the heuristic, a pure function, cached;
 - `candidate_configs(problem, facts) -> list[Config]`: what autotuning and sweeps try;
 - `run(config, problem, a, sa, b, sb, out, c=None, index=None)`: the one public way to run a
@@ -63,6 +65,9 @@ class KernelFamily:
 
     def supports(self, problem: GemmProblem) -> str | None:
         raise NotImplementedError
+
+    def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
+        return None
 
     def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Any:
         raise NotImplementedError
