@@ -25,7 +25,6 @@ import torch
 import triton  # noqa: F401  (an ImportError here tells the backend registry Triton is missing)
 
 from ..._settings import settings
-from ...layout import num_sms_override
 from ...problem import GemmProblem
 from ..family import DeviceFacts, KernelFamily, choose_family
 from . import fp8_gemm, k_grouped_fp8_gemm, tuning
@@ -73,13 +72,7 @@ def device_facts(device: torch.device) -> DeviceFacts:
     INTERPRETER_FACTS otherwise."""
     if device.type != "cuda":
         return INTERPRETER_FACTS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_facts(index, num_sms_override())
-
-
-@functools.lru_cache(maxsize=64)
-def _cuda_facts(index: int, sm_cap: int | None) -> DeviceFacts:
-    return DeviceFacts.of(torch.device("cuda", index))  # once per device and SM cap
+    return DeviceFacts.of(device)  # cached per device and SM cap
 
 
 @functools.lru_cache(maxsize=4096)
