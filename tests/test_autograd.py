@@ -462,24 +462,31 @@ def test_mlp_trains_like_float32(device, steps, grad_format, one_thread):
 
 
 @pytest.mark.parametrize("device, steps", [("cpu", 100),
-                                           pytest.param("cuda", 300, marks=pytest.mark.gpu)])
+                                           pytest.param("cuda", 100, marks=pytest.mark.gpu)])
 def test_moe_trains_like_float32(device, steps, one_thread):
     """Fp8MoE (8 experts, top-2, hidden 256, intermediate 128, float32 masters, e5m2 gradients,
     offsets layout on the CPU, contiguous on the GPU) against the same MoE in float32 torch,
     same start, same batches and routes (a random teacher MoE of the same shape gives the
-    targets), Adam: the mean loss of the last 20 steps within
-    `loss_gap_bound`, derived as for the MLP with 4 e4m3 roundings in the forward (x, W13, z,
-    W2; the bf16 roundings of h13 and y are 1e2 times smaller). Measured on the CPU (100 steps):
-    float32 0.20701, fp8 0.20693, gap 8e-5 against a bound of 1.4e-3 (0.04 % of the loss)."""
+    targets; 8 batches of 32 tokens, cycled, so that the student can fit them), Adam: the mean
+    loss of the last 20 steps within `loss_gap_bound`, derived as for the MLP with 4 e4m3
+    roundings in the forward (x, W13, z, W2; the bf16 roundings of h13 and y are 1e2 times
+    smaller), and within 2 % of the float32 loss. Measured on the CPU (100 steps): float32 from
+    0.2244 to 0.01238, fp8 0.01237, gap 6.6e-6 (0.05 %) against a bound of 4.7e-3. On fresh
+    batches every step the student cannot learn this teacher (the loss stays at 0.207-0.216).
+    The 2 % holds while the fit is far from fp8's noise floor: after 300 steps (float32 4.8e-3)
+    the gap is 2.4e-4 (4.9 %), still within the derived bound."""
     g, h, i, t = 8, 256, 128, 32
-    gen = torch.Generator(device=device).manual_seed(5)
-    teacher = (torch.randn(g, 2 * i, h, device=device, generator=gen) / h**0.5,
-               torch.randn(g, h, i, device=device, generator=gen) / i**0.5)
+    # NOTE: the data comes from the CPU generator on every device, so the GPU run trains on the
+    # same batches as the CPU one (whose reference is known to learn), only for longer.
+    gen = torch.Generator().manual_seed(5)
+    teacher = (torch.randn(g, 2 * i, h, generator=gen) / h**0.5,
+               torch.randn(g, h, i, generator=gen) / i**0.5)
     data = []
-    for _ in range(steps):
-        x = torch.randn(t, h, device=device, generator=gen)
-        ids, tw = _route(t, g, 2, device, gen)
-        data.append(((x, ids, tw), _moe_reference(x, ids, tw, *teacher)))
+    for _ in range(8):
+        x = torch.randn(t, h, generator=gen)
+        ids, tw = _route(t, g, 2, "cpu", gen)
+        y = _moe_reference(x, ids, tw, *teacher)
+        data.append(((x.to(device), ids.to(device), tw.to(device)), y.to(device)))
     torch.manual_seed(6)
     start = Fp8MoE(g, h, i, trainable=True, master_dtype=torch.float32, device=device)
     layout = "contiguous" if device == "cuda" else "offsets"
@@ -495,11 +502,15 @@ def test_moe_trains_like_float32(device, steps, one_thread):
         moe.load_weights(start.w13.detach(), start.w2.detach())
         return moe, lambda a: moe(*a, layout=layout)
 
-    ref = _train(reference, data.__getitem__, steps, lr=3e-3)
-    got = _train(fp8, data.__getitem__, steps, lr=3e-3)
+    def batch(step):
+        return data[step % len(data)]
+
+    ref = _train(reference, batch, steps, lr=3e-3)
+    got = _train(fp8, batch, steps, lr=3e-3)
     power = float(torch.stack([y.square().mean() for _, y in data]).mean())
     bound = loss_gap_bound(4, "e5m2", power, ref[0], _tail(ref), steps)
     gap = abs(_tail(got) - _tail(ref))
     assert _tail(ref) < 0.95 * ref[0], "the reference must learn for the comparison to mean much"
     assert gap < bound, f"fp8 {_tail(got):.5f} vs float32 {_tail(ref):.5f}: gap {gap:.2e} >= " \
                         f"{bound:.2e}"
+    assert gap < 0.02 * _tail(ref), f"fp8 {_tail(got):.5f} vs float32 {_tail(ref):.5f}"

@@ -401,7 +401,7 @@ def test_quant_kernels_match_torch(tb, fmt, pow2):
     q_ref, s_ref = ref_quant_groups(x.float().view(m, k // 128, 128), fmt, pow2)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     st = _steps(q, q_ref.view(m, k))
-    assert int(st.max()) <= 1 and float((st > 0).float().mean()) < 1e-4
+    assert int(st.max()) <= 1 and float((st > 0).float().mean()) <= FP8_STEP_FRACTION
 
     q, s = quant.quantize_per_block(x, fmt=fmt, pow2_scales=pow2)
     blocks = x.float().view(m // 128, 128, k // 128, 128).permute(0, 2, 1, 3).reshape(m // 128, k // 128, -1)
@@ -409,7 +409,7 @@ def test_quant_kernels_match_torch(tb, fmt, pow2):
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     q_ref = q_ref.view(m // 128, k // 128, 128, 128).permute(0, 2, 1, 3).reshape(m, k)
     st = _steps(q, q_ref)
-    assert int(st.max()) <= 1 and float((st > 0).float().mean()) < 1e-4
+    assert int(st.max()) <= 1 and float((st > 0).float().mean()) <= FP8_STEP_FRACTION
 
     t, i = 1000, 2048
     xx = (torch.randn(t, 2 * i, device="cuda") * 3).to(torch.bfloat16)
