@@ -40,6 +40,7 @@ def problem(m, n, k, **kw) -> GemmProblem:
 def test_supports_accepts_the_suite():
     for m, n, k in DSV3 + AWKWARD:
         assert cuda_supports(problem(m, n, k)) is None
+        assert cuda_supports(problem(m, n, k, has_c=True)) is None  # dense C (a bias)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -48,7 +49,7 @@ def test_supports_accepts_the_suite():
     (dict(a_recipe=Recipe.ROW), "1x128"),
     (dict(b_recipe=Recipe.TENSOR), "128x128"),
     (dict(out_dtype=torch.float32), "bfloat16"),
-    (dict(has_c=True), "C"),
+    (dict(kind=GemmKind.CONTIGUOUS, groups=2, has_c=True), "C"),
     (dict(k=328), "K % 16"),
     (dict(n=580), "N % 8"),
 ])
@@ -170,8 +171,9 @@ def compiled_suite(tmp_path_factory):
     try:
         out = {}
         for (n, k, cfg), shape in _suite_configs().items():
-            _, compiled, path, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg)
-            out[shape] = (cfg, compiled)
+            for has_c in (False, True):  # a C input (a bias) adds loads to the epilogue
+                _, compiled, path, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg, has_c=has_c)
+                out[shape + (("c",) if has_c else ())] = (cfg, compiled)
         yield out
     finally:
         if old is None:

@@ -255,3 +255,82 @@ def test_tensors_on_a_device_that_is_not_current(gpu_device):
         assert torch.cuda.current_device() == 0
     assert not torch.isnan(out).any()
     assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
+
+
+# --- C (a bias, or any float32 [M, N] with unit column stride) -------------------------------------
+def _c_variants(m: int, n: int, device):
+    """(name, c): a full row-major C, a bias broadcast over the rows (row stride 0), and a C that
+    is a column slice of a wider tensor (row stride > N). Values of the product's magnitude."""
+    full = torch.randn(m, n, device=device) * 30
+    wide = torch.randn(m, n + 24, device=device)[:, 8:n + 8] * 30
+    bias = (torch.randn(n, device=device) * 30).expand(m, n)
+    return [("full", full), ("bias", bias), ("wide", wide)]
+
+
+def _close_to(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| over the RMS of ref: bf16 rounding of values up to ~4 RMS gives < 2^-7; a
+    C missing from one element moves it by about one RMS."""
+    ref = ref.double()
+    return float((out.double() - ref).abs().max() / ref.square().mean().sqrt())
+
+
+# Tiles of 64, 128 and 256 rows, partial tiles in M and N, two accumulators, multicast.
+C_SHAPES = [(1, 576, 320), (37, 2112, 7168), (130, 576, 320), (257, 1000, 4096),
+            (4096, 7168, 2048), (64, 24576, 1536), (128, 4096, 7168)]
+
+
+@pytest.mark.parametrize("m,n,k", C_SHAPES, ids=lambda v: str(v))
+def test_c_is_added(m, n, k, gpu_device):
+    from fp8gemm.backends import cuda as cuda_backend
+
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    problem = GemmProblem(GemmKind.DENSE, m, n, k, 1, E4M3, E4M3, Recipe.GROUP, Recipe.BLOCK,
+                          torch.bfloat16, has_c=True)
+    assert cuda_backend.supports(problem) is None
+    product = reference(a, sa, b, sb)
+    for name, c in _c_variants(m, n, gpu_device):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
+        cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, c, problem)
+        torch.cuda.synchronize()
+        err = _close_to(out, product + c.double())
+        assert err < 2 ** -6, f"{name}: max error {err:.3g} RMS"
+        again = out.clone()
+        cuda_backend.fp8_gemm_nt(a, sa, b, sb, again, c, problem)
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), again.view(torch.int16)), name
+
+
+def test_bias_through_ops_layer_and_warm_calls(gpu_device):
+    """fp8_gemm_nt(c=bias.expand(M, N)) runs on the CUDA kernel without an [M, N] copy of the
+    bias; warm calls with a new bias (same metadata, new pointer) add the new one."""
+    import fp8gemm
+
+    m, n, k = 64, 2112, 7168
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    product = reference(a, sa, b, sb)
+    for _ in range(3):
+        bias = torch.randn(n, device=gpu_device) * 30
+        out = fp8gemm.fp8_gemm_nt((a, sa), (b, sb), c=bias.expand(m, n), backend="cuda")
+        torch.cuda.synchronize()
+        assert _close_to(out, product + bias.double()) < 2 ** -6
+
+
+def test_c_with_cuda_graph(gpu_device):
+    from fp8gemm.backends import cuda as cuda_backend
+
+    m, n, k = 128, 7168, 2048
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    problem = GemmProblem(GemmKind.DENSE, m, n, k, 1, E4M3, E4M3, Recipe.GROUP, Recipe.BLOCK,
+                          torch.bfloat16, has_c=True)
+    bias = torch.randn(n, device=gpu_device)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=gpu_device)
+    cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, bias.expand(m, n), problem)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, bias.expand(m, n), problem)
+    bias.copy_(torch.randn(n, device=gpu_device) * 30)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _close_to(out, reference(a, sa, b, sb) + bias.double()) < 2 ** -6

@@ -28,7 +28,9 @@ instead. The ops layer asks once per metadata signature, and only where values g
 
 The ops layer has validated everything: a, b and out are contiguous, scales are float32 in the
 normalised shapes of `Recipe` (any strides), index tensors are contiguous int32, every tensor is
-on one device, and no dimension is zero. A backend writes only `out`; rows that belong to no group
+on one device, and no dimension is zero. A dense `c` is None, `out` itself, or float32 [M, N]
+with unit column stride and any row stride (0: one row for all, a bias). A backend writes only
+`out`; rows that belong to no group
 (m_indices -1, rows at or past masked_m[g]) are left untouched. K-grouped: a [M, sum K],
 b [N, sum K], scales [M, S] and [N, S] (1x128 along each group's K), ks [G] (sum K > 0, a
 group's K may be 0), out [G, M, N] float32 written everywhere, c None, [G, M, N] or out itself.

@@ -126,6 +126,12 @@ def check_dense(a, b, out, c, out_dtype):
     return a_t, sa, a_recipe, b_t, sb, b_recipe, (m, n, k), out_dtype
 
 
+def _c_as_given(c: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the backends take `c` as it is: `out` itself, or unit column stride with any row
+    stride (0 for a bias broadcast over the rows: no [M, N] copy of it is made)."""
+    return c is out or c.stride(1) == 1
+
+
 def _fp8_gemm_nt_full(a, b, out, c, out_dtype, backend, key, tensors) -> torch.Tensor:
     """fp8_gemm_nt's full path: validation, backend choice, and (when key is not None) the plan
     that warm calls with the metadata of `tensors` reuse.
@@ -147,11 +153,11 @@ def _fp8_gemm_nt_full(a, b, out, c, out_dtype, backend, key, tensors) -> torch.T
                           out_dtype, has_c=c is not None)
     impl = select_backend(problem, device, backend)
     if (key is not None and metadata_decides(a_t) and a_t.is_contiguous() and b_t.is_contiguous()
-            and out.is_contiguous() and (c is None or c.is_contiguous())):
+            and out.is_contiguous() and (c is None or _c_as_given(c, out))):
         remember(_plans, key, (metadata_guard(tensors), _warm_run(impl, problem, a_s, sa, b_s, sb),
                                (m, n), out_dtype))
     a_t, b_t = contiguous_operand(a_t), contiguous_operand(b_t)
-    if c is not None:
-        c = c.contiguous() if c is not out else c
+    if c is not None and not _c_as_given(c, out):
+        c = c.contiguous()
     return run_into(out, lambda dst: impl.fp8_gemm_nt(a_t, sa, b_t, sb, dst,
                                                       dst if c is out else c, problem))

@@ -290,19 +290,21 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
 _KIND = {GemmKind.DENSE: 0, GemmKind.CONTIGUOUS: 1, GemmKind.OFFSETS: 2, GemmKind.MASKED: 3}
 
 
-def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config) -> tuple[str, str]:
-    """(source, name expression) of the kernel instance for (kind, N, K, config)."""
+def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config,
+                  has_c: bool = False) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (kind, N, K, config, C or not)."""
     source = "#include <fp8gemm/sm90_fp8_gemm_1d2d.cuh>\n"
     b = {True: "true", False: "false"}
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
-            f"{cfg.band_size}, {b[cfg.two_accum]}>")
+            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c]}>")
     return source, name
 
 
-def compile_kernel(kind: GemmKind, n: int, k: int, cfg: Sm90Config, compiler: str | None = None):
+def compile_kernel(kind: GemmKind, n: int, k: int, cfg: Sm90Config, compiler: str | None = None,
+                   has_c: bool = False):
     """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
-    source, name = kernel_source(kind, n, k, cfg)
+    source, name = kernel_source(kind, n, k, cfg, has_c)
     return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
 
 
@@ -311,13 +313,13 @@ class Sm90Plan:
     """Everything fixed for one (problem, device, config): kernel, launch config, and the
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
 
-    __slots__ = ("cfg", "kind", "kernel", "launch", "device_index", "m", "n", "k", "groups",
-                 "num_kb", "packs", "tmaps", "sm_override")
+    __slots__ = ("cfg", "kind", "has_c", "kernel", "launch", "device_index", "m", "n", "k",
+                 "groups", "num_kb", "packs", "tmaps", "sm_override")
 
     def __init__(self, problem: GemmProblem, device_index: int, cfg: Sm90Config) -> None:
         # The set_num_sms value the config was chosen under (warm launches compare it).
         self.sm_override = num_sms_override()
-        self.cfg, self.kind = cfg, problem.kind
+        self.cfg, self.kind, self.has_c = cfg, problem.kind, problem.has_c
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.num_kb = ceil_div(problem.k, BLOCK_K)
         self.device_index = device_index
@@ -328,8 +330,8 @@ class Sm90Plan:
                 raise ValueError(f"config {cfg}: multicast needs a dense problem, an even block "
                                  f"count on the shared side and an even band")
         smem = cfg.smem(problem.k, problem.kind)
-        self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg),
-                                (str(INCLUDE_DIR),))
+        self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
+                                               problem.has_c), (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), smem,
                                        (cfg.num_multicast, 1, 1))
@@ -337,7 +339,8 @@ class Sm90Plan:
         self.tmaps = jit.TensorMapCache(capacity=512)
 
     def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-               out: torch.Tensor, index: torch.Tensor | None, key: tuple) -> jit.ParamPack:
+               out: torch.Tensor, index: torch.Tensor | None, key: tuple,
+               c: torch.Tensor | None = None) -> jit.ParamPack:
         cfg, m, n, k, kb = self.cfg, self.m, self.n, self.k, self.num_kb
         tm = self.tmaps
         masked = self.kind is GemmKind.MASKED
@@ -366,6 +369,8 @@ class Sm90Plan:
         pack = jit.ParamPack([ctypes.c_uint64(sb.data_ptr()), ctypes.c_uint32(m),
                               ctypes.c_uint64(0 if index is None else index.data_ptr()),
                               ctypes.c_uint32(self.groups), ctypes.c_uint64(out.data_ptr()),
+                              ctypes.c_uint64(0 if c is None else c.data_ptr()),
+                              ctypes.c_uint64(0 if c is None else c.stride(0)),
                               map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d])
         if len(self.packs) >= 1024:
             self.packs.clear()
@@ -373,9 +378,11 @@ class Sm90Plan:
         return pack
 
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-            out: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """out = (a * sa) @ (b * sb)^T per group; tensors as the backend contract hands them
-        over (a, b, out, index contiguous; scales float32, any strides)."""
+            out: torch.Tensor, index: torch.Tensor | None = None,
+            c: torch.Tensor | None = None) -> None:
+        """out = (a * sa) @ (b * sb)^T (+ c) per group; tensors as the backend contract hands
+        them over (a, b, out, index contiguous; scales float32, any strides; c float32 [M, N]
+        with unit column stride, any row stride, dense only)."""
         sa = kernel_a_scales(sa)
         if not sb.is_contiguous():
             sb = sb.contiguous()
@@ -389,13 +396,18 @@ class Sm90Plan:
         # NOTE: with a, b and dst contiguous and the plan fixing the shapes, these pointers and
         # sa's strides are all the descriptors depend on (one-row strides: see row_stride).
         key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
-               0 if index is None else index.data_ptr())
+               0 if index is None else index.data_ptr(), _c_key(c))
         pack = self.packs.get(key)
         if pack is None:
-            pack = self.params(a, sa, b, sb, dst, index, key)
+            pack = self.params(a, sa, b, sb, dst, index, key, c)
         launch(self.kernel, self.launch, self.device_index, pack)
         if dst is not out:
             out.copy_(dst)
+
+
+def _c_key(c: torch.Tensor | None) -> tuple | None:
+    """C's part of a pack key: its pointer and row stride (both in the kernel's arguments)."""
+    return None if c is None else (c.data_ptr(), c.stride(0))
 
 
 _plans: dict[tuple, Sm90Plan] = {}
@@ -403,8 +415,9 @@ _plans: dict[tuple, Sm90Plan] = {}
 
 def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config) -> Sm90Plan:
     """The plan of (problem, device, config), built on first use."""
-    # NOTE: supports() fixes dtypes and recipes, so (kind, shapes, device, config) is the key.
-    key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, device_index, cfg)
+    # NOTE: supports() fixes dtypes and recipes, so (kind, shapes, C, device, config) is the key.
+    key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, problem.has_c,
+           device_index, cfg)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= 4096:
@@ -424,8 +437,8 @@ def _common_refusal(problem: GemmProblem) -> str | None:
         return "the sm90 kernel takes A 1x128 groups with B 128x128 blocks only"
     if problem.out_dtype != torch.bfloat16:
         return "the sm90 kernel writes bfloat16 only"
-    if problem.has_c:
-        return "the sm90 kernel has no C accumulator input"
+    if problem.has_c and problem.kind is not GemmKind.DENSE:
+        return "the sm90 grouped kernels have no C accumulator input"
     if problem.k % 16:
         return f"TMA needs K % 16 == 0 (16-byte rows of A and B), got K={problem.k}"
     if problem.n % 8:
@@ -465,9 +478,10 @@ class _Sm90Family(KernelFamily):
     def run(self, config: Sm90Config, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
             b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
             index: torch.Tensor | None = None) -> None:
-        if c is not None:
-            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
-        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out, index)
+        if c is not None and c.stride(-1) != 1:
+            raise ValueError(f"{self.name} needs C with unit column stride, got strides "
+                             f"{tuple(c.stride())}")
+        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out, index, c)
 
 
 class Sm90Fp8Gemm1d2d(_Sm90Family):
@@ -526,18 +540,21 @@ class _Launcher:
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
             out: torch.Tensor, index: torch.Tensor | None) -> None:
         """`index`: the grouped kinds' m_indices, offsets or masked_m; a dense call passes its
-        c there, which is None (supports() refuses has_c)."""
+        c there (or None)."""
         plan = self.plan
+        dense = plan.kind is GemmKind.DENSE
+        c = index if dense else None
         # NOTE: Sm90Plan.run's pack key; a hit needs no alignment check, since packs hold only
         # 16-byte aligned pointers (run copies the others) and sa's strides are fixed.
         pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr(), 0 if index is None else index.data_ptr()))
+                               out.data_ptr(),
+                               0 if dense or index is None else index.data_ptr(), _c_key(c)))
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
             self.plan = get_plan(self.problem, self.device_index,
                                  self.family.config_for(self.problem, self.device))
-            self.plan.run(a, sa, b, sb, out, index)
+            self.plan.run(a, sa, b, sb, out, None if dense else index, c)
 
 
 def launcher(family: KernelFamily, problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor):

@@ -1,10 +1,12 @@
-// FP8 GEMM for sm_90a, dense and MoE-grouped: D[M, N] (bf16) = (A * sa) . (B[g] * sb[g])^T
+// FP8 GEMM for sm_90a, dense and MoE-grouped: D[M, N] (bf16) = (A * sa) . (B[g] * sb[g])^T (+ C)
 //   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
 //     (masked: [G][ceil(K/128), Mmax padded to 4])
 //   B [G, N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [G, ceil(N/128), ceil(K/128)]
 //   kKind (sm90_scheduler.cuh): dense (G = 1); contiguous (group of each row in m_indices);
 //     offsets (group g owns rows offsets[g] .. offsets[g+1]); masked (A [G, Mmax, K], group g's
 //     first masked_m[g] rows). Rows that belong to no group are neither computed nor written.
+//   kHasC (dense only): C float32 [M, N], unit column stride, row stride c_stride elements (0: one
+//     row for every row, a bias), added to the FP32 sums before the bf16 rounding.
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
 // (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages.
 #pragma once
@@ -59,11 +61,11 @@ __device__ __forceinline__ uint32_t sa_shift_of(const Tile& t) {
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum>
+          bool kTwoAccum, bool kHasC>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
-                          uint8_t* __restrict__ out,
+                          uint8_t* __restrict__ out, const float* __restrict__ c, uint64_t c_stride,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
@@ -117,6 +119,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(SHAPE_N % 8 == 0, "TMA store needs bf16 output rows of a multiple of 16 bytes");
   static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
   static_assert(kKind == kKindDense || kNumTMAMulticast == 1, "grouped kernels run without clusters");
+  static_assert(kKind == kKindDense || !kHasC, "C is a dense kernel's input");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
   static_assert(!kTwoAccum || (BLOCK_M == 128 && BLOCK_N <= 128),
@@ -281,6 +284,27 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // --- epilogue: final_acc -> bf16 tile in shared memory -> TMA stores ------------------------
     auto epilogue = [&](const Tile& t) {
       // The previous tile's store must have finished reading smem_d before it is overwritten.
+      if constexpr (kHasC) {
+        // NOTE: C is read before the barrier below, so its global-memory latency overlaps the
+        // wait for the previous store. Columns come in pairs and N % 8 == 0: a pair is in or out.
+        const uint32_t n0 = t.n_block * BLOCK_N + col_in_group;
+#pragma unroll
+        for (uint32_t w = 0; w < kNumWaves; ++w) {
+#pragma unroll
+          for (uint32_t h = 0; h < 2; ++h) {
+            const uint32_t row = static_cast<uint32_t>(t.m0) + w * WAVE_M + r0 + 8 * h;
+            const float* c_row = c + static_cast<uint64_t>(row) * c_stride;
+#pragma unroll
+            for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+              const uint32_t col = n0 + g * 8;
+              if (row < shape_m && col < SHAPE_N) {
+                final_acc[w][4 * g + 2 * h] += __ldg(c_row + col);
+                final_acc[w][4 * g + 2 * h + 1] += __ldg(c_row + col + 1);
+              }
+            }
+          }
+        }
+      }
       if (threadIdx.x == 0) tma_store_wait_read();
       named_barrier_sync(1, kNumMathThreads);
 #pragma unroll
@@ -332,8 +356,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       if (threadIdx.x == 0) {
         const int32_t m0 = t.m0;
 #pragma unroll
-        for (uint32_t c = 0; c + 1 <= kNumDChunks; ++c)
-          tma_store_2d(&tmap_d, smem_d + c * BLOCK_M * 128, static_cast<int32_t>(n0 + c * 64), m0);
+        for (uint32_t i = 0; i + 1 <= kNumDChunks; ++i)
+          tma_store_2d(&tmap_d, smem_d + i * BLOCK_M * 128, static_cast<int32_t>(n0 + i * 64), m0);
         if constexpr (kTailCols > 0)
           tma_store_2d(&tmap_d_tail, smem_d + kNumDChunks * BLOCK_M * 128,
                        static_cast<int32_t>(n0 + kNumDChunks * 64), m0);
