@@ -47,6 +47,15 @@ def contiguous_layout(sizes, align: int, device) -> torch.Tensor:
     return torch.tensor(parts, dtype=torch.int32, device=device)
 
 
+def unaligned_layout(sizes, device) -> torch.Tensor:
+    """m_indices for groups of `sizes` rows not aligned to any block, g % 3 rows of -1 after
+    group g, then 7 rows of an out-of-range index (a bad value must address nothing)."""
+    parts = []
+    for g, s in enumerate(sizes):
+        parts += [g] * s + [-1] * (g % 3)
+    return torch.tensor(parts + [len(sizes) + 5] * 7, dtype=torch.int32, device=device)
+
+
 def check_rows(out, ref, groups):
     """Rows with a group match the reference; rows without one are untouched (NaN)."""
     valid = groups >= 0
@@ -81,10 +90,7 @@ def test_contiguous_unaligned_layout(gpu_device):
     """Groups not aligned to 128 rows, -1 rows inside blocks and an out-of-range index: blocks
     holding several groups run once per group, each under its row mask."""
     sizes = [50, 3, 200, 77, 130]
-    parts = []
-    for g, s in enumerate(sizes):
-        parts += [g] * s + [-1] * (g % 3)
-    idx = torch.tensor(parts + [len(sizes) + 5] * 7, dtype=torch.int32, device=gpu_device)
+    idx = unaligned_layout(sizes, gpu_device)
     m, n, k = idx.numel(), 576, 640
     a = torch.randn(m, k, device=gpu_device).to(E4M3)
     sa = scales((m, ceil_div(k, 128)), gpu_device)
@@ -93,6 +99,41 @@ def test_contiguous_unaligned_layout(gpu_device):
     fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
     torch.cuda.synchronize()
     groups = torch.where(idx < len(sizes), idx, -1)
+    check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+
+
+@pytest.mark.parametrize("layout", ["padded-128", "unaligned", "padding-blocks"])
+def test_contiguous_256_row_tiles(layout, gpu_device):
+    """256-row tiles (the heuristic's pick for long groups) on layouts whose 256-row blocks hold
+    two groups, -1 rows inside blocks, an out-of-range index and whole blocks of padding: each
+    group of a block runs under its own row mask. The config is built directly."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
+    from fp8gemm.backends.family import DeviceFacts
+    from fp8gemm.problem import GemmKind, GemmProblem
+
+    n, k = 1088, 640  # an N tail of 64 columns
+    sizes = {"padded-128": [300, 129, 1000, 0, 700], "unaligned": [50, 3, 200, 77, 530, 301],
+             "padding-blocks": [100, 600, 5]}[layout]
+    idx = (unaligned_layout(sizes, gpu_device) if layout == "unaligned" else
+           contiguous_layout(sizes, 128 if layout == "padded-128" else 512, gpu_device))
+    num_groups = len(sizes)
+    groups = torch.where(idx < num_groups, idx, -1)
+    m = idx.numel()
+    problem = GemmProblem(GemmKind.CONTIGUOUS, m, n, k, num_groups, E4M3, E4M3, Recipe.GROUP,
+                          Recipe.BLOCK, torch.bfloat16)
+    facts = DeviceFacts.of(gpu_device)
+    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=256, block_n=128,
+                  num_stages=sm90.max_stages(256, 128, k, facts.smem_per_block,
+                                             GemmKind.CONTIGUOUS),
+                  two_accum=False, grid=min(facts.num_sms, ceil_div(m, 256) * ceil_div(n, 128)))
+    a = torch.randn(m, k, device=gpu_device).to(E4M3)
+    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
+    b, sb = grouped_b(num_groups, n, k, gpu_device)
+    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, idx)
+    torch.cuda.synchronize()
     check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
 
 
