@@ -268,10 +268,13 @@ def _c_variants(m: int, n: int, device):
 
 
 def _close_to(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| over the RMS of ref: bf16 rounding of values up to ~4 RMS gives < 2^-7; a
-    C missing from one element moves it by about one RMS."""
+    """The largest error in units of what bf16 rounding allows: half an ulp (at most 2^-8 of
+    the value) plus 1e-3 RMS for the FP32 sums' own rounding (the tensor cores' ~2^-14 per
+    k-block comes to ~1e-4 RMS). A C missing from an element (C ~ 30, values ~ 30-200 RMS)
+    moves it by 20 units or more."""
     ref = ref.double()
-    return float((out.double() - ref).abs().max() / ref.square().mean().sqrt())
+    rms = ref.square().mean().sqrt()
+    return float(((out.double() - ref).abs() / (ref.abs() * 2 ** -8 + 1e-3 * rms)).max())
 
 
 # Tiles of 64, 128 and 256 rows, partial tiles in M and N, two accumulators, multicast.
@@ -293,7 +296,7 @@ def test_c_is_added(m, n, k, gpu_device):
         cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, c, problem)
         torch.cuda.synchronize()
         err = _close_to(out, product + c.double())
-        assert err < 2 ** -6, f"{name}: max error {err:.3g} RMS"
+        assert err <= 1, f"{name}: max error {err:.3g} of the bf16 bound"
         again = out.clone()
         cuda_backend.fp8_gemm_nt(a, sa, b, sb, again, c, problem)
         torch.cuda.synchronize()
@@ -312,7 +315,7 @@ def test_bias_through_ops_layer_and_warm_calls(gpu_device):
         bias = torch.randn(n, device=gpu_device) * 30
         out = fp8gemm.fp8_gemm_nt((a, sa), (b, sb), c=bias.expand(m, n), backend="cuda")
         torch.cuda.synchronize()
-        assert _close_to(out, product + bias.double()) < 2 ** -6
+        assert _close_to(out, product + bias.double()) <= 1
 
 
 def test_c_with_cuda_graph(gpu_device):
@@ -333,4 +336,4 @@ def test_c_with_cuda_graph(gpu_device):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert _close_to(out, reference(a, sa, b, sb) + bias.double()) < 2 ** -6
+    assert _close_to(out, reference(a, sa, b, sb) + bias.double()) <= 1

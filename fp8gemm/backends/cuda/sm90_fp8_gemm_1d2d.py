@@ -532,31 +532,39 @@ class _Launcher:
     (new pointers, set_num_sms since) takes the family's run, which builds what is missing and
     copies what TMA cannot address."""
 
-    __slots__ = ("family", "problem", "device", "device_index", "plan")
+    __slots__ = ("family", "problem", "device", "device_index", "plan", "dense")
 
     def __init__(self, family: _Sm90Family, problem: GemmProblem, device: torch.device) -> None:
         self.family, self.problem, self.device, self.device_index = (family, problem, device,
                                                                      device.index)
         self.plan = get_plan(problem, device.index, family.config_for(problem, device))
+        self.dense = problem.kind is GemmKind.DENSE
 
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
             out: torch.Tensor, index: torch.Tensor | None) -> None:
         """`index`: the grouped kinds' m_indices, offsets or masked_m; a dense call passes its
         c there (or None)."""
         plan = self.plan
-        dense = plan.kind is GemmKind.DENSE
-        c = index if dense else None
-        # NOTE: Sm90Plan.run's pack key; a hit needs no alignment check, since packs hold only
-        # 16-byte aligned pointers (run copies the others) and sa's strides are fixed.
+        # NOTE: Sm90Plan.run's pack key (_c_key inlined); a hit needs no alignment check, since
+        # packs hold only 16-byte aligned pointers (run copies the others) and sa's strides are
+        # fixed.
+        if index is None:
+            last = (0, None)
+        elif self.dense:
+            last = (0, (index.data_ptr(), index.stride(0)))
+        else:
+            last = (index.data_ptr(), None)
         pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr(),
-                               0 if dense or index is None else index.data_ptr(), _c_key(c)))
+                               out.data_ptr()) + last)
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
             self.plan = get_plan(self.problem, self.device_index,
                                  self.family.config_for(self.problem, self.device))
-            self.plan.run(a, sa, b, sb, out, None if dense else index, c)
+            if self.dense:
+                self.plan.run(a, sa, b, sb, out, None, index)
+            else:
+                self.plan.run(a, sa, b, sb, out, index)
 
 
 def launcher(family: KernelFamily, problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor):
