@@ -290,7 +290,10 @@ class SmallMPlan:
             a, b = tma_aligned(a), tma_aligned(b)
             if out.data_ptr() % 16:
                 dst = torch.empty_like(out, memory_format=torch.contiguous_format)
-        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr())
+        # NOTE: with a, b contiguous and the plan fixing the shapes, these pointers, sa's strides
+        # (fixed per call site) and out's row stride are all the arguments depend on.
+        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
+               row_stride(dst))
         pack = self.packs.get(key)
         if pack is None:
             pack = self.params(a, sa, b, sb, dst, key)
@@ -379,8 +382,9 @@ class _Launcher:
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
             out: torch.Tensor, c: torch.Tensor | None) -> None:
         plan = self.plan
+        # SmallMPlan.run's pack key; out is contiguous here, so its row stride is N.
         pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr()))
+                               out.data_ptr(), plan.n))
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
