@@ -278,22 +278,22 @@ class SmallMPlan:
 
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
             out: torch.Tensor) -> None:
-        """out = (a * sa) @ (b * sb)^T; tensors as the backend contract hands them over (a, b,
-        out contiguous; scales float32, any strides)."""
+        """out = (a * sa) @ (b * sb)^T; tensors as the backend contract hands them over (a, b
+        contiguous; scales float32, any strides); out [M, N] contiguous or rows of any stride."""
         sa = kernel_a_scales(sa)
         if not sb.is_contiguous():
             sb = sb.contiguous()
         dst = out
         if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
-            # A contiguous view at an odd storage offset: TMA and the 16-byte stores cannot
-            # address it (slow path).
+            # A contiguous view at an odd storage offset: TMA cannot address it (slow path).
             a, b = tma_aligned(a), tma_aligned(b)
-            if out.data_ptr() % 16:
-                dst = torch.empty_like(out, memory_format=torch.contiguous_format)
+        ld = row_stride(out)
+        if out.data_ptr() % 16 or ld % 8 or out.stride(-1) != 1:
+            # The kernel stores 16 bytes at a time: rows on 16 bytes, elements contiguous.
+            dst, ld = torch.empty_like(out, memory_format=torch.contiguous_format), self.n
         # NOTE: with a, b contiguous and the plan fixing the shapes, these pointers, sa's strides
         # (fixed per call site) and out's row stride are all the arguments depend on.
-        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
-               row_stride(dst))
+        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(), ld)
         pack = self.packs.get(key)
         if pack is None:
             pack = self.params(a, sa, b, sb, dst, key)
