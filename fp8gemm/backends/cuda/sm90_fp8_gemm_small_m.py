@@ -37,8 +37,8 @@ BLOCK_K = SCALE_BLOCK
 # a tile's B scale is one value per k-block.
 BLOCK_N = 64
 # NOTE: tokens are wgmma's N; each math thread holds the accumulator and the FP32 sums, BLOCK_M / 2
-# floats each, and BLOCK_M / 4 token scales: 128 tokens is the widest tile with room in 232
-# registers (tests/test_cuda_small_m.py compiles it without spills).
+# floats each, and BLOCK_M / 4 token scales: at 128 tokens ptxas still fits every variant in the
+# 384-thread launch's 168 registers without spills (tests/test_cuda_small_m.py compiles them).
 MAX_BLOCK_M = 128
 # Above two token tiles of 128 the dense family's 128- and 256-row tiles read B fewer times.
 MAX_M = 256
