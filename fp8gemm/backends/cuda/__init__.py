@@ -1,8 +1,10 @@
 """CUDA backend: run-time compiled sm_90a kernels (see fp8gemm/backends/__init__.py for the contract).
 
 A table of kernel families (fp8gemm/backends/family.py), in order of preference; `supports` is
-the first that takes a problem, and the op functions run the chosen family with its heuristic's
-config. Everything the families refuse goes to another backend, visibly (FP8GEMM_PRINT_CONFIGS).
+the first that takes a problem, and the op functions run the first family that supports it and
+does not decline it on the tensors' device (its model leaves it to a later family), with its
+heuristic's config. Everything the families refuse goes to another backend, visibly
+(FP8GEMM_PRINT_CONFIGS).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import functools
 import torch
 
 from ...problem import GemmProblem
-from ..family import choose_family
-from . import sm90_fp8_gemm_1d2d
+from ..family import DeviceFacts, KernelFamily, choose_family
+from . import sm90_fp8_gemm_1d2d, sm90_fp8_gemm_small_m
 
 __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
@@ -21,7 +23,9 @@ __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_ge
            "m_grouped_fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
-FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED)
+# NOTE: the small-M family supports a subset of what the dense one does and declines what its
+# model says the dense kernel runs faster, so `supports` answers as if it were not there.
+FAMILIES = (sm90_fp8_gemm_small_m.SMALL_M, sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,16 +65,29 @@ def supports(problem: GemmProblem) -> str | None:
     return _choice(problem)[1]
 
 
-def family_for(problem: GemmProblem):
-    """The family that runs `problem` (supports() has accepted it)."""
-    fam, why = _choice(problem)
-    if fam is None:
-        raise ValueError(f"the CUDA backend cannot run {problem}: {why}")
-    return fam
+@functools.lru_cache(maxsize=4096)
+def _family(problem: GemmProblem, facts: DeviceFacts | None) -> KernelFamily:
+    reasons = []
+    for fam in FAMILIES:
+        why = fam.supports(problem)
+        if why is None and type(fam).declines is not KernelFamily.declines:
+            if facts is None:
+                facts = DeviceFacts.of(torch.device("cuda"))
+            why = fam.declines(problem, facts)
+        if why is None:
+            return fam
+        reasons.append(f"{fam.name}: {why}")
+    raise ValueError(f"the CUDA backend cannot run {problem}: {'; '.join(reasons)}")
+
+
+def family_for(problem: GemmProblem, facts: DeviceFacts | None = None) -> KernelFamily:
+    """The family that runs `problem` (supports() has accepted it) on a device with `facts`
+    (default: the current CUDA device's, read only where a family's choice depends on them)."""
+    return _family(problem, facts)
 
 
 def _run(problem: GemmProblem, a, sa, b, sb, out, c, index) -> None:
-    fam = family_for(problem)
+    fam = _family(problem, DeviceFacts.of(a.device))
     fam.run(fam.config_for(problem, a.device), problem, a, sa, b, sb, out, c, index)
 
 
@@ -95,7 +112,12 @@ def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
     (a, sa, b, sb, out, c) that runs `problem` for later calls whose tensors have the metadata of
     this call's (a, b, out contiguous; scales as sa and sb, unreshaped; one device), skipping this
     module's checks and the plan lookups; or None."""
-    return sm90_fp8_gemm_1d2d.launcher(family_for(problem), problem, sa, sb)
+    fam = _family(problem, DeviceFacts.of(sa.device))
+    if fam is sm90_fp8_gemm_small_m.SMALL_M:
+        def slow(a, sa_, b, sb_, out, c):
+            fp8_gemm_nt(a, sa_, b, sb_, out, c, problem)
+        return sm90_fp8_gemm_small_m.launcher(problem, sa, sb, slow)
+    return sm90_fp8_gemm_1d2d.launcher(fam, problem, sa, sb)
 
 
 def m_grouped_fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):

@@ -85,6 +85,44 @@ __device__ __forceinline__ void cluster_sync() {
                    : "memory");
 }
 
+// Every thread of every CTA of the cluster: arrive (releasing this thread's prior memory
+// operations at cluster scope), then wait until all have arrived (acquiring theirs). Not
+// `.aligned`, so that warps which diverged (one producer thread issuing loads) may take part.
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+
+// Arrive without ordering this thread's prior memory operations (nothing it wrote is read
+// after the barrier); ptxas puts a MEMBAR.ALL.GPU before each `.release` arrive.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// --- distributed shared memory -------------------------------------------------------------------
+// The shared::cluster address of the same offset as `addr` (a shared::cta address) in CTA `cta`.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  return remote;
+}
+
+struct F32x4 {
+  float x, y, z, w;
+};
+
+__device__ __forceinline__ F32x4 ld_shared_cluster_v4(uint32_t addr) {
+  F32x4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // --- named barriers (id 0 is __syncthreads) ---------------------------------------------------
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
@@ -210,6 +248,14 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
 struct U32x4 {
   uint32_t x, y, z, w;
 };
+
+__device__ __forceinline__ F32x4 ld_shared_v4f(const void* ptr) {
+  F32x4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(smem_addr(ptr)));
+  return v;
+}
 
 __device__ __forceinline__ U32x4 ld_shared_v4(const void* ptr) {
   U32x4 v;

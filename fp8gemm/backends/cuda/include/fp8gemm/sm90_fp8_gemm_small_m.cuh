@@ -1,0 +1,310 @@
+// FP8 GEMM for sm_90a at small M (decode): D[M, N] (bf16) = (A * sa) . (B * sb)^T, computed as
+// D^T = B . A^T (swap-AB) and split along K over a thread-block cluster.
+//   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
+//   B [N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [ceil(N/128), ceil(K/128)]
+//   D [M, N] bf16, rows `ld_out` elements apart (a multiple of 8), written untransposed.
+// One CTA per (tile, split): a tile is 64 rows of B (wgmma's M side) by BLOCK_M rows of A (its
+// N side, 8..128 tokens); the kNumSplits CTAs of a cluster each take a contiguous range of the
+// k-blocks and leave an FP32 partial tile in their own shared memory, which the cluster then
+// sums in rank order through distributed shared memory (each CTA reduces and stores 1/kNumSplits
+// of the tile). No workspace, no atomics: the same bits on every run, safe under graph capture.
+// Warp-specialised: one TMA producer warpgroup and two math warpgroups, which take alternate
+// k-blocks of the ring of kNumStages stages (one promotes while the other's wgmma runs) and add
+// their sums, warpgroup 0's first, before the cluster's reduction.
+#pragma once
+
+#include "sm90_utils.cuh"
+#include "sm90_wgmma_fp8.cuh"
+
+namespace fp8gemm {
+
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t kNumSplits,
+          uint32_t kNumStages>
+struct Sm90Fp8GemmSmallMLayout {
+  static constexpr uint32_t BLOCK_K = 128;
+  static constexpr uint32_t BLOCK_N = 64;  // rows of B per tile: wgmma's M
+  static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, BLOCK_K);
+  static constexpr uint32_t kMaxKBlocksPerSplit = ceil_div(kNumKBlocks, kNumSplits);
+  // NOTE: B's TMA box never holds more rows than B has: a box past the tensor would be
+  // zero-filled, which TMA does slowly; the wgmma rows past N read stale bytes that only feed
+  // output columns the epilogue does not store.
+  static constexpr uint32_t kBRows = SHAPE_N < BLOCK_N ? SHAPE_N : BLOCK_N;
+  // A scales of a stage: BLOCK_M floats, a TMA destination on 128 bytes.
+  static constexpr uint32_t kSaStage = ceil_div(BLOCK_M, 32u) * 32;
+  // FP32 partial tile in output orientation: BLOCK_M rows (tokens) of 64 floats, 4 floats of
+  // padding so that the scalar stores from the wgmma fragment hit 32 different banks.
+  static constexpr uint32_t kRedStride = BLOCK_N + 4;
+  // Shared memory, in carve-up order (B and A stages are multiples of 1024 bytes, so the TMA
+  // destinations of the 128-byte swizzle stay 1024-byte aligned).
+  static constexpr uint32_t SMEM_B = BLOCK_N * BLOCK_K;
+  static constexpr uint32_t SMEM_A = BLOCK_M * BLOCK_K;
+  static constexpr uint32_t SMEM_SA = kSaStage * 4;
+  static constexpr uint32_t SMEM_SB = ceil_div(kMaxKBlocksPerSplit * 4, 16u) * 16;
+  static constexpr uint32_t SMEM_RED = BLOCK_M * kRedStride * 4;
+  static constexpr uint32_t SMEM_BARRIERS = 2 * kNumStages * 8;
+  // 1024 bytes of slack to align the dynamic shared-memory base.
+  static constexpr uint32_t kSmemBytes =
+      1024 + kNumStages * (SMEM_B + SMEM_A + SMEM_SA) + SMEM_SB + SMEM_RED + SMEM_BARRIERS;
+};
+
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t kNumSplits,
+          uint32_t kNumStages>
+__global__ void __launch_bounds__(384, 1)
+sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m,
+                                  uint8_t* __restrict__ out, uint32_t ld_out,
+                                  const __grid_constant__ TmaDescriptor tmap_a,
+                                  const __grid_constant__ TmaDescriptor tmap_b,
+                                  const __grid_constant__ TmaDescriptor tmap_sa) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Layout = Sm90Fp8GemmSmallMLayout<SHAPE_N, SHAPE_K, BLOCK_M, kNumSplits, kNumStages>;
+  constexpr uint32_t BLOCK_K = Layout::BLOCK_K, BLOCK_N = Layout::BLOCK_N;
+  constexpr uint32_t WGMMA_K = 32;
+  constexpr uint32_t kNumMathThreads = 256;
+  constexpr uint32_t kNumKBlocks = Layout::kNumKBlocks;
+  constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+  constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
+  constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_M>::kNumAccum;
+  constexpr uint32_t kRedStride = Layout::kRedStride;
+  // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
+  // warpgroups, which hold the wgmma accumulator and the FP32 sums (BLOCK_M / 2 floats each) and
+  // BLOCK_M / 4 token scales: 128 * 40 + 256 * 232 fits the 64K-register file.
+  constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;
+
+  // --- static checks ----------------------------------------------------------------------------
+  static_assert(BLOCK_M % 8 == 0 && BLOCK_M >= 8 && BLOCK_M <= 128,
+                "tokens are wgmma's N: 8..128 in steps of 8 (two BLOCK_M / 2 float arrays per thread)");
+  static_assert(SHAPE_K % 16 == 0, "TMA needs K-major rows of a multiple of 16 bytes");
+  static_assert(SHAPE_N % 8 == 0, "16-byte stores of bf16 output rows need N % 8 == 0");
+  static_assert(kNumSplits >= 1 && kNumSplits <= 8, "a portable cluster holds at most 8 CTAs");
+  static_assert(kNumSplits <= kNumKBlocks, "every split owns at least one k-block");
+  static_assert(kNumStages >= 2, "at least double buffering");
+  // A 64-row tile of B starts on a multiple of 64 rows: it lies inside one 128x128 scale block.
+  static_assert(128 % BLOCK_N == 0, "a tile of B rows must not straddle two scale blocks");
+  static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
+
+  // Guard against a host whose idea of the shared-memory size disagrees with this layout.
+  uint32_t dyn_smem;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < Layout::kSmemBytes) asm volatile("trap;");
+
+  // --- work of this CTA -------------------------------------------------------------------------
+  // Cluster c computes tile c; consecutive clusters share A's token block (it stays in L2) and
+  // walk B's 64-row blocks. CTA `rank` of the cluster owns k-blocks [kb_begin, kb_end).
+  const uint32_t rank = kNumSplits > 1 ? cluster_cta_rank() : 0;
+  const uint32_t tile = blockIdx.x / kNumSplits;
+  const uint32_t n_block = tile % kNumNBlocks, m_block = tile / kNumNBlocks;
+  const uint32_t n0 = n_block * BLOCK_N, m0 = m_block * BLOCK_M;
+  const uint32_t kb_begin = rank * kNumKBlocks / kNumSplits;
+  const uint32_t kb_end = (rank + 1) * kNumKBlocks / kNumSplits;
+
+  // --- shared-memory carve-up -------------------------------------------------------------------
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem_b = smem;
+  uint8_t* smem_a = smem_b + kNumStages * Layout::SMEM_B;
+  float* smem_sa = reinterpret_cast<float*>(smem_a + kNumStages * Layout::SMEM_A);
+  float* smem_sb = smem_sa + kNumStages * Layout::kSaStage;  // [kb_end - kb_begin]
+  float* smem_red = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem_sb) + Layout::SMEM_SB);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_red) + Layout::SMEM_RED);
+  uint64_t* empty_bar = full_bar + kNumStages;
+
+  const uint32_t warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const uint32_t lane = lane_idx();
+
+  // --- barrier setup ----------------------------------------------------------------------------
+  if (threadIdx.x == kNumMathThreads) {
+    tma_prefetch_descriptor(&tmap_a);
+    tma_prefetch_descriptor(&tmap_b);
+    tma_prefetch_descriptor(&tmap_sa);
+  }
+  if (threadIdx.x == 0) {
+    for (uint32_t s = 0; s < kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], 4);  // one arrival per warp of the warpgroup that reads it
+    }
+    fence_barrier_init();
+  }
+  // NOTE: the barriers and TMA loads are all CTA-local; the cluster first meets at the
+  // reduction, whose barrier also guarantees that every peer is running before its shared
+  // memory is read.
+  __syncthreads();
+
+  if (warpgroup == 2) {
+    // --- producer: one thread issues every TMA load ---------------------------------------------
+    warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == kNumMathThreads) {
+      // NOTE: A's map has a box of min(BLOCK_M, M) rows (TMA's zero fill of rows past M is slow);
+      // the rows past M in shared memory keep stale bytes, which only feed accumulator columns
+      // of tokens >= M, never stored.
+      const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
+      const uint32_t stage_tx_bytes = Layout::kBRows * BLOCK_K + a_rows * BLOCK_K + BLOCK_M * 4;
+      uint32_t stage = 0, phase = 0;
+      for (uint32_t kb = kb_begin; kb < kb_end; ++kb) {
+        mbar_wait(&empty_bar[stage], phase ^ 1);
+        uint64_t* bar = &full_bar[stage];
+        mbar_arrive_expect_tx(bar, stage_tx_bytes);
+        const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
+        tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, k0, static_cast<int32_t>(n0));
+        tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, k0, static_cast<int32_t>(m0));
+        tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, static_cast<int32_t>(m0),
+                    static_cast<int32_t>(kb));
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+      }
+    }
+    // The two cluster barriers of the reduction count every thread of the cluster (this
+    // warpgroup wrote nothing the peers read: relaxed arrivals).
+    if constexpr (kNumSplits > 1) {
+      cluster_arrive_relaxed();
+      cluster_wait_acquire();
+      cluster_arrive_relaxed();
+      cluster_wait_acquire();
+    }
+  } else {
+    // --- math: wgmma, promotion with scales, partial tile to shared memory ----------------------
+    warpgroup_reg_alloc<kMathRegs>();
+    const uint32_t warp = (threadIdx.x / 32) % 4;
+    // Accumulator fragment (wgmma D layout): rows r0 and r0 + 8 of the 64 rows of B; columns
+    // (tokens) 8 g + c0 and 8 g + c0 + 1 of every 8-column group g.
+    const uint32_t r0 = warp * 16 + lane / 4;
+    const uint32_t c0 = (lane % 4) * 2;
+
+    // B's scales of this CTA's k-blocks (one per k-block: the tile lies in one 128-row block).
+    // NOTE: loaded while the first TMA loads are in flight, so the global round trip overlaps.
+    const float* sb_row = sb + (n0 / 128) * kNumKBlocks + kb_begin;
+    for (uint32_t i = threadIdx.x; i < kb_end - kb_begin; i += kNumMathThreads)
+      smem_sb[i] = __ldg(sb_row + i);
+    named_barrier_sync(1, kNumMathThreads);
+
+    const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
+    const uint64_t desc_a0 = make_smem_desc_sw128(smem_a);
+    float acc[kNumAccum], fin[kNumAccum];
+#pragma unroll
+    for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
+
+    // Warpgroup w takes k-blocks kb_begin + w, kb_begin + w + 2, ...: stages w, w + 2, ... of
+    // the ring (every stage's phase flips once per pass of the ring).
+    uint32_t stage = warpgroup, phase = 0;
+    for (uint32_t kb = kb_begin + warpgroup; kb < kb_end; kb += 2) {
+      mbar_wait(&full_bar[stage], phase);
+      // NOTE: the scales are read before the wgmma is waited for, off the critical path, and
+      // before the stage is released (the producer may then refill it).
+      const float sbk = smem_sb[kb - kb_begin];
+      float sa_lo[BLOCK_M / 8], sa_hi[BLOCK_M / 8];
+      const float* sa_stage = smem_sa + stage * Layout::kSaStage + c0;
+#pragma unroll
+      for (uint32_t g = 0; g < BLOCK_M / 8; ++g) {
+        sa_lo[g] = sa_stage[8 * g];
+        sa_hi[g] = sa_stage[8 * g + 1];
+      }
+      const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
+      const uint64_t desc_a = desc_a0 + stage * (Layout::SMEM_A / 16);
+#pragma unroll
+      for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+      wgmma_fence();
+      // NOTE: each k-step of 32 bytes moves the descriptors' start address by 32 >> 4 = 2. The
+      // last k-block runs all four k-steps: TMA zero-fills K beyond SHAPE_K, and a run-time
+      // bound on the k-steps made ptxas fence the accumulators around every wgmma (C7519).
+#pragma unroll
+      for (uint32_t k = 0; k < kNumKSteps; ++k)
+        WgmmaFp8<BLOCK_M>::mma(desc_b + 2 * k, desc_a + 2 * k, acc, k > 0);
+      wgmma_commit();
+#pragma unroll
+      for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+      wgmma_wait<0>();
+      if (lane == 0) mbar_arrive(&empty_bar[stage]);
+      // NOTE: promotion, as the dense kernel does it: the tensor cores keep ~14 bits of the FP8
+      // product sum, so every 128 of K the partial sum moves to FP32 registers, scaled by
+      // sa * sb. Swapped, sb is one value per k-block and sa varies along the columns.
+#pragma unroll
+      for (uint32_t g = 0; g < BLOCK_M / 8; ++g) {
+        const float s0 = sa_lo[g] * sbk, s1 = sa_hi[g] * sbk;
+        fin[4 * g + 0] = fmaf(acc[4 * g + 0], s0, fin[4 * g + 0]);
+        fin[4 * g + 1] = fmaf(acc[4 * g + 1], s1, fin[4 * g + 1]);
+        fin[4 * g + 2] = fmaf(acc[4 * g + 2], s0, fin[4 * g + 2]);
+        fin[4 * g + 3] = fmaf(acc[4 * g + 3], s1, fin[4 * g + 3]);
+      }
+      stage += 2;
+      if (stage >= kNumStages) stage -= kNumStages, phase ^= 1;
+    }
+
+    // This CTA's partial tile in output orientation, smem_red[token][row of B]: warpgroup 0's
+    // sums, then warpgroup 1 adds its own (a fixed order).
+    // NOTE: lanes of a warp cover 4 column pairs x 8 rows: (2 c0 * kRedStride + r0) % 32 =
+    // 8 (lane % 4) + lane / 4, 32 different banks.
+    auto partial = [&](bool add) {
+#pragma unroll
+      for (uint32_t g = 0; g < BLOCK_M / 8; ++g) {
+        float* col0 = smem_red + (8 * g + c0) * kRedStride + r0;
+        float* col1 = col0 + kRedStride;
+        col0[0] = add ? col0[0] + fin[4 * g + 0] : fin[4 * g + 0];
+        col1[0] = add ? col1[0] + fin[4 * g + 1] : fin[4 * g + 1];
+        col0[8] = add ? col0[8] + fin[4 * g + 2] : fin[4 * g + 2];
+        col1[8] = add ? col1[8] + fin[4 * g + 3] : fin[4 * g + 3];
+      }
+    };
+    if (warpgroup == 0) partial(false);
+    named_barrier_sync(1, kNumMathThreads);
+    if (warpgroup == 1) partial(true);
+
+    // --- reduction over the cluster and bf16 stores ---------------------------------------------
+    // NOTE: the arrive releases each math thread's partial-tile stores and the wait acquires every
+    // peer's, at cluster scope: the loads through mapa below see them.
+    if constexpr (kNumSplits > 1) {
+      cluster_arrive_release();
+      cluster_wait_acquire();
+    } else {
+      named_barrier_sync(1, kNumMathThreads);
+    }
+    // Units of 8 output columns (16 bytes of bf16) of one token row, tile-wide; CTA `rank` owns
+    // the contiguous range [u_begin, u_end) and sums each unit over ranks 0, 1, ... in order,
+    // so every element's sum has the same order whichever CTA computes it.
+    constexpr uint32_t kUnitsPerRow = BLOCK_N / 8;
+    constexpr uint32_t kUnits = BLOCK_M * kUnitsPerRow;
+    const uint32_t u_begin = rank * kUnits / kNumSplits, u_end = (rank + 1) * kUnits / kNumSplits;
+    const uint32_t red = smem_addr(smem_red);
+    uint32_t peer[kNumSplits];
+#pragma unroll
+    for (uint32_t r = 0; r < kNumSplits; ++r) peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
+    for (uint32_t u = u_begin + threadIdx.x; u < u_end; u += kNumMathThreads) {
+      const uint32_t t = u / kUnitsPerRow, col = (u % kUnitsPerRow) * 8;
+      const uint32_t off = (t * kRedStride + col) * 4;
+      F32x4 lo[kNumSplits], hi[kNumSplits];
+#pragma unroll
+      for (uint32_t r = 0; r < kNumSplits; ++r) {
+        if constexpr (kNumSplits > 1) {
+          lo[r] = ld_shared_cluster_v4(peer[r] + off);
+          hi[r] = ld_shared_cluster_v4(peer[r] + off + 16);
+        } else {
+          lo[r] = ld_shared_v4f(reinterpret_cast<uint8_t*>(smem_red) + off);
+          hi[r] = ld_shared_v4f(reinterpret_cast<uint8_t*>(smem_red) + off + 16);
+        }
+      }
+#pragma unroll
+      for (uint32_t r = 1; r < kNumSplits; ++r) {
+        lo[0].x += lo[r].x, lo[0].y += lo[r].y, lo[0].z += lo[r].z, lo[0].w += lo[r].w;
+        hi[0].x += hi[r].x, hi[0].y += hi[r].y, hi[0].z += hi[r].z, hi[0].w += hi[r].w;
+      }
+      const uint32_t m = m0 + t, n = n0 + col;
+      // N % 8 == 0: a unit is wholly inside or wholly past N.
+      if (m < shape_m && n < SHAPE_N) {
+        U32x4 v;
+        v.x = pack_bf16x2(lo[0].x, lo[0].y), v.y = pack_bf16x2(lo[0].z, lo[0].w);
+        v.z = pack_bf16x2(hi[0].x, hi[0].y), v.w = pack_bf16x2(hi[0].z, hi[0].w);
+        st_global_v4(out + (static_cast<uint64_t>(m) * ld_out + n) * 2, v);
+      }
+    }
+    // NOTE: no CTA may exit (its shared memory freed) while a peer still reads its partial tile.
+    // The loads above have returned their values (the stores used them), so a relaxed arrive
+    // suffices.
+    if constexpr (kNumSplits > 1) {
+      cluster_arrive_relaxed();
+      cluster_wait_acquire();
+    }
+  }
+#else
+  // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg, clusters).
+  if (blockIdx.x == 0 && threadIdx.x == 0) asm volatile("trap;");
+#endif
+}
+
+}  // namespace fp8gemm

@@ -1,0 +1,405 @@
+"""The sm90 small-M (decode) kernel family: A scaled per 1x128 group, B per 128x128 block, bf16
+out, computed as D^T = B . A^T and split along K over a thread-block cluster.
+
+Kernel: include/fp8gemm/sm90_fp8_gemm_small_m.cuh. N, K, the token tile, the split and the
+stages are compile-time constants; M is a kernel argument. One CTA per (tile, split), one wave:
+a tile is 64 rows of B (wgmma's 64-row side) by `block_m` tokens (wgmma's N, 8..128); the
+`num_splits` CTAs of a cluster share its K range and sum their FP32 partial tiles in rank order
+through distributed shared memory.
+
+The family sits before the dense one in the backend's table and takes only the problems its
+model says it runs faster (`declines`); everything else stays with `sm90_fp8_gemm_1d2d`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ... import jit
+from ..._settings import settings
+from ...layout import is_col_major_tma_aligned, num_sms_override
+from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, align, ceil_div
+from ..family import DeviceFacts, KernelFamily
+from . import sm90_fp8_gemm_1d2d as dense
+from .launch import kernel_a_scales, launch, row_stride, tma_aligned
+
+__all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "max_stages",
+           "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "candidates",
+           "kernel_source", "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M",
+           "MAX_BLOCK_M", "MAX_SPLITS", "NUM_THREADS"]
+
+BLOCK_K = SCALE_BLOCK
+# NOTE: rows of B per tile: wgmma's M is 64, and B's 128-row scale blocks hold two such tiles, so
+# a tile's B scale is one value per k-block.
+BLOCK_N = 64
+# NOTE: tokens are wgmma's N; each math thread holds the accumulator and the FP32 sums, BLOCK_M / 2
+# floats each, and BLOCK_M / 4 token scales: at 128 tokens ptxas still fits every variant in the
+# 384-thread launch's 168 registers without spills (tests/test_cuda_small_m.py compiles them).
+MAX_BLOCK_M = 128
+# Above two token tiles of 128 the dense family's 128- and 256-row tiles read B fewer times.
+MAX_M = 256
+# A portable cluster holds at most 8 CTAs.
+MAX_SPLITS = 8
+MAX_STAGES = 8
+MIN_STAGES = 2
+NUM_THREADS = 384  # one producer and two math warpgroups
+
+# --- cost model ----------------------------------------------------------------------------------
+# Time of one wave in microseconds: FIXED_US + max(DRAM time of the bytes moved once, the slowest
+# CTA's stream) + SPLIT_US when the tile is split.
+# - A CTA streams its k-blocks at the dense model's tile cost (sm90_fp8_gemm_1d2d.tile_cost units,
+#   FLOP per unit of K: max(MMA, LOAD_WEIGHT x bytes)); the two math warpgroups alternate
+#   k-blocks as the dense kernel's two do, so the MMA side has the two-warpgroup efficiency.
+#   SM_FLOPS_PER_US converts: H200's FP8 dense peak (1480 TFLOPS) per SM, which with LOAD_WEIGHT
+#   = 128 makes ~88 GB/s a CTA can pull from L2/HBM.
+# - DRAM: HBM at 4.25 TB/s, B, A and D each moved once (a second token tile re-reads B from L2).
+# - FIXED_US: launch and pipeline ramp, the 4 us of the memory floor (bytes / 4.25 TB/s + 4 us).
+# - SPLIT_US: two cluster barriers and the DSMEM reduction of a partial tile (at most 32 KB);
+#   an estimate, to be fitted on the H200 with the dense family's method.
+SM_FLOPS_PER_US = 1480e6 / 132
+DRAM_BYTES_PER_US = 4.25e6
+FIXED_US = 4.0
+SPLIT_US = 0.5
+# NOTE: the CTAs of a cluster must share a GPC. The H100/H200 GPCs hold 14-18 SMs (8 of them for
+# 132 SMs; harvesting varies per chip), so clusters of more than 2 leave SMs idle: 8-CTA clusters
+# fit 14 at a time on a 132-SM part (112 CTAs). The model assumes 7/8 of the SMs usable by
+# clusters of 3..8; tests/test_cuda_small_m.py checks that against cuOccupancyMaxActiveClusters
+# on the GPU. One wave only: a second wave of clusters would double the time.
+CLUSTER_PACKING = 0.875
+# The family takes a problem only where its model beats the dense family's by this factor.
+WIN_FACTOR = 0.95
+
+
+def cluster_slots(num_splits: int, num_sms: int) -> int:
+    """Clusters of `num_splits` CTAs the model assumes run at once on `num_sms` SMs."""
+    if num_splits <= 2:
+        return num_sms // num_splits
+    return int(num_sms * CLUSTER_PACKING) // num_splits
+
+
+def sa_stage(block_m: int) -> int:
+    """Sm90Fp8GemmSmallMLayout::kSaStage: floats of A scales per stage (128-byte TMA rows)."""
+    return align(block_m, 32)
+
+
+def smem_bytes(block_m: int, num_splits: int, num_stages: int, k: int) -> int:
+    """Sm90Fp8GemmSmallMLayout::kSmemBytes: the kernel traps when launched with less."""
+    per_stage = BLOCK_N * BLOCK_K + block_m * BLOCK_K + sa_stage(block_m) * 4
+    sb = align(ceil_div(ceil_div(k, BLOCK_K), num_splits) * 4, 16)
+    red = block_m * (BLOCK_N + 4) * 4
+    return 1024 + num_stages * per_stage + sb + red + 2 * num_stages * 8
+
+
+def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int) -> int:
+    """The deepest pipeline that fits `smem_limit` bytes, at most one stage per k-block of a
+    split (0: none fits)."""
+    top = max(MIN_STAGES, min(MAX_STAGES, ceil_div(ceil_div(k, BLOCK_K), num_splits)))
+    for s in range(top, MIN_STAGES - 1, -1):
+        if smem_bytes(block_m, num_splits, s, k) <= smem_limit:
+            return s
+    return 0
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """One instance of the small-M kernel and its launch (one CTA per tile and split)."""
+
+    block_m: int  # tokens per tile: wgmma's N
+    num_splits: int  # CTAs per cluster, each over a contiguous range of the k-blocks
+    num_stages: int
+    grid: int  # CTAs: tiles x num_splits
+
+    @property
+    def block_n(self) -> int:
+        return BLOCK_N
+
+    @property
+    def num_threads(self) -> int:
+        return NUM_THREADS
+
+    def smem(self, k: int) -> int:
+        """Dynamic shared memory of this config at K, bytes."""
+        return smem_bytes(self.block_m, self.num_splits, self.num_stages, k)
+
+    def __str__(self) -> str:
+        return (f"swap-AB BLOCK {BLOCK_N}(N)x{self.block_m}(M)x{BLOCK_K} split-K={self.num_splits} "
+                f"stages={self.num_stages} grid={self.grid} cluster={self.num_splits} "
+                f"threads={NUM_THREADS}")
+
+
+def token_tiles(m: int) -> tuple[int, ...]:
+    """Token tile widths worth pricing for M rows: the fewest tiles of at most MAX_BLOCK_M, and
+    one tile more (more CTAs for the same bytes of B, from L2), each as narrow as M allows."""
+    fewest = ceil_div(m, MAX_BLOCK_M)
+    out = []
+    for tiles in (fewest, fewest + 1):
+        bm = align(ceil_div(m, tiles), 8)
+        if bm not in out and (tiles == fewest or bm < out[0]):
+            out.append(bm)
+    return tuple(out)
+
+
+def dram_us(m: int, n: int, k: int) -> float:
+    return (n * k + m * k + 2 * m * n) / DRAM_BYTES_PER_US
+
+
+def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int) -> float:
+    """Modelled time of the small-M kernel (the cost model above), rounded so that configs the
+    model prices alike tie exactly and the tie-breaks decide."""
+    a_rows = min(block_m, m)
+    mma = 2 * BLOCK_N * block_m / (block_m / align(block_m, 32))
+    per_k = max(mma, dense.LOAD_WEIGHT * (BLOCK_N + a_rows))
+    kb = ceil_div(ceil_div(k, BLOCK_K), num_splits)
+    cta = kb * BLOCK_K * per_k / SM_FLOPS_PER_US
+    split = SPLIT_US if num_splits > 1 else 0.0
+    return round(FIXED_US + max(dram_us(m, n, k), cta) + split, 3)
+
+
+def dense_estimate_us(problem: GemmProblem, facts: DeviceFacts) -> float:
+    """The same model for the dense family's chosen config: its persistent CTAs walk
+    ceil(tiles / grid) tiles of all of K each, at that family's tile cost."""
+    m, n, k = problem.m, problem.n, problem.k
+    cfg = dense.DENSE.select_config(problem, facts)
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    per_tile = ceil_div(k, BLOCK_K) * BLOCK_K * dense.tile_cost(cfg.block_m, cfg.block_n, k)
+    cta = ceil_div(tiles, cfg.grid) * per_tile / SM_FLOPS_PER_US
+    return round(FIXED_US + max(dram_us(m, n, k), cta), 3)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: SmallMConfig
+    tiles: int
+    us: float  # estimate_us
+
+
+def candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
+    """Every one-wave config that fits shared memory, with its modelled time, best first:
+    least time; among equals fewer splits (less reduction), then fewer tiles."""
+    out = []
+    num_kb = ceil_div(k, BLOCK_K)
+    for bm in token_tiles(m):
+        tiles = ceil_div(m, bm) * ceil_div(n, BLOCK_N)
+        for splits in range(1, min(MAX_SPLITS, num_kb) + 1):
+            if tiles > cluster_slots(splits, facts.num_sms):
+                continue
+            stages = max_stages(bm, splits, k, facts.smem_per_block)
+            if stages == 0:
+                continue
+            cfg = SmallMConfig(bm, splits, stages, tiles * splits)
+            out.append(Candidate(cfg, tiles, estimate_us(m, n, k, bm, splits)))
+    out.sort(key=lambda c: (c.us, c.config.num_splits, c.tiles))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _select(m: int, n: int, k: int, facts: DeviceFacts) -> SmallMConfig | None:
+    cands = candidates(m, n, k, facts)
+    return cands[0].config if cands else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _declines(problem: GemmProblem, facts: DeviceFacts) -> str | None:
+    cands = candidates(problem.m, problem.n, problem.k, facts)
+    if not cands:
+        return (f"no config fits one wave of {facts.num_sms} SMs (N/{BLOCK_N} x M/"
+                f"{MAX_BLOCK_M} tiles, at least one cluster each)")
+    mine, theirs = cands[0].us, dense_estimate_us(problem, facts)
+    if mine >= WIN_FACTOR * theirs:
+        return f"modelled {mine:.2f} us against the dense family's {theirs:.2f} us"
+    return None
+
+
+# --- kernel source -------------------------------------------------------------------------------
+def kernel_source(n: int, k: int, cfg: SmallMConfig) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (N, K, config)."""
+    source = "#include <fp8gemm/sm90_fp8_gemm_small_m.cuh>\n"
+    name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_small_m_kernel<{n}, {k}, {cfg.block_m}, "
+            f"{cfg.num_splits}, {cfg.num_stages}>")
+    return source, name
+
+
+def compile_kernel(n: int, k: int, cfg: SmallMConfig, compiler: str | None = None):
+    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
+    source, name = kernel_source(n, k, cfg)
+    return jit.compile_cached(source, name, (str(dense.INCLUDE_DIR),), compiler=compiler)
+
+
+# --- launch --------------------------------------------------------------------------------------
+class SmallMPlan:
+    """Everything fixed for one (problem, device, config): kernel, launch config, and the
+    argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
+
+    __slots__ = ("cfg", "kernel", "launch", "device_index", "m", "n", "k", "packs", "tmaps",
+                 "sm_override")
+
+    def __init__(self, problem: GemmProblem, device_index: int, cfg: SmallMConfig) -> None:
+        self.sm_override = num_sms_override()
+        self.cfg, self.m, self.n, self.k = cfg, problem.m, problem.n, problem.k
+        tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, BLOCK_N)
+        if cfg.grid != tiles * cfg.num_splits or not 1 <= cfg.num_splits <= MAX_SPLITS \
+                or cfg.num_splits > ceil_div(problem.k, BLOCK_K):
+            raise ValueError(f"config {cfg}: grid must be tiles x splits = {tiles} x "
+                             f"{cfg.num_splits}, with 1..{MAX_SPLITS} splits of at least one "
+                             f"k-block each")
+        self.device_index = device_index
+        smem = cfg.smem(problem.k)
+        self.kernel = jit.build(*kernel_source(problem.n, problem.k, cfg),
+                                (str(dense.INCLUDE_DIR),))
+        self.kernel.set_max_dynamic_smem(smem, device_index)
+        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (NUM_THREADS, 1, 1), smem,
+                                       (cfg.num_splits, 1, 1))
+        self.packs: dict[tuple, jit.ParamPack] = {}
+        self.tmaps = jit.TensorMapCache(capacity=512)
+
+    def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+               out: torch.Tensor, key: tuple) -> jit.ParamPack:
+        cfg, m, n, k, tm = self.cfg, self.m, self.n, self.k, self.tmaps
+        # NOTE: boxes of min(BLOCK_M, M) token rows and min(64, N) rows of B: the kernel expects
+        # exactly these bytes per stage.
+        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (row_stride(a) * a.element_size(),),
+                       (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
+        map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (k * b.element_size(),),
+                       (BLOCK_K, min(BLOCK_N, n)), jit.Swizzle.B128)
+        mp = align(m, 4)  # the A-scale column stride (layout.get_col_major_tma_aligned_tensor)
+        map_sa = tm.get(torch.float32, sa.data_ptr(), (m, ceil_div(k, BLOCK_K)), (mp * 4,),
+                        (cfg.block_m, 1))
+        pack = jit.ParamPack([ctypes.c_uint64(sb.data_ptr()), ctypes.c_uint32(m),
+                              ctypes.c_uint64(out.data_ptr()), ctypes.c_uint32(row_stride(out)),
+                              map_a, map_b, map_sa])
+        if len(self.packs) >= 1024:
+            self.packs.clear()
+        self.packs[key] = pack
+        return pack
+
+    def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+            out: torch.Tensor) -> None:
+        """out = (a * sa) @ (b * sb)^T; tensors as the backend contract hands them over (a, b
+        contiguous; scales float32, any strides); out [M, N] contiguous or rows of any stride."""
+        sa = kernel_a_scales(sa)
+        if not sb.is_contiguous():
+            sb = sb.contiguous()
+        dst = out
+        if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
+            # A contiguous view at an odd storage offset: TMA cannot address it (slow path).
+            a, b = tma_aligned(a), tma_aligned(b)
+        ld = row_stride(out)
+        if out.data_ptr() % 16 or ld % 8 or out.stride(-1) != 1:
+            # The kernel stores 16 bytes at a time: rows on 16 bytes, elements contiguous.
+            dst, ld = torch.empty_like(out, memory_format=torch.contiguous_format), self.n
+        # NOTE: with a, b contiguous and the plan fixing the shapes, these pointers, sa's strides
+        # (fixed per call site) and out's row stride are all the arguments depend on.
+        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(), ld)
+        pack = self.packs.get(key)
+        if pack is None:
+            pack = self.params(a, sa, b, sb, dst, key)
+        launch(self.kernel, self.launch, self.device_index, pack)
+        if dst is not out:
+            out.copy_(dst)
+
+
+_plans: dict[tuple, SmallMPlan] = {}
+
+
+def get_plan(problem: GemmProblem, device_index: int, cfg: SmallMConfig) -> SmallMPlan:
+    """The plan of (problem, device, config), built on first use."""
+    key = (problem.m, problem.n, problem.k, device_index, cfg)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 4096:
+            _plans.clear()
+        plan = _plans[key] = SmallMPlan(problem, device_index, cfg)
+        if settings.print_configs:
+            print(f"[fp8gemm] cuda: {problem} -> {SMALL_M.name} {cfg}", flush=True)
+    return plan
+
+
+# --- family ----------------------------------------------------------------------------------------
+class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
+    """Dense GEMMs of M <= MAX_M, swapped (B fills wgmma's 64-row side) and split along K over
+    a cluster; declines what the dense family runs faster by the model."""
+
+    name = "sm90_fp8_gemm_1d2d_small_m"
+    Config = SmallMConfig
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind is not GemmKind.DENSE:
+            return f"takes dense GEMMs, not {problem.kind.value}"
+        why = dense._common_refusal(problem)
+        if why is not None:
+            return why
+        if problem.m > MAX_M:
+            return f"takes M <= {MAX_M} (decode sizes), got M={problem.m}"
+        return None
+
+    def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
+        return _declines(problem, facts)
+
+    def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> SmallMConfig:
+        cfg = _select(problem.m, problem.n, problem.k, facts)
+        if cfg is None:
+            raise ValueError(f"{self.name} has no one-wave config for {problem} on "
+                             f"{facts.num_sms} SMs: {_declines(problem, facts)}")
+        return cfg
+
+    def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[SmallMConfig]:
+        """Every one-wave config that fits, the chosen one first."""
+        return [c.config for c in candidates(problem.m, problem.n, problem.k, facts)]
+
+    def config_for(self, problem: GemmProblem, device: torch.device) -> SmallMConfig:
+        return self.select_config(problem, DeviceFacts.of(device))
+
+    def run(self, config: SmallMConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
+            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
+            index: torch.Tensor | None = None) -> None:
+        if c is not None:
+            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
+        if index is not None:
+            raise ValueError(f"{self.name} runs dense GEMMs only: no group index")
+        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out)
+
+
+SMALL_M = Sm90Fp8Gemm1d2dSmallM()
+
+
+# --- the ops layer's warm-call fast path ---------------------------------------------------------
+class _Launcher:
+    """Warm calls of one metadata signature (see sm90_fp8_gemm_1d2d._Launcher): a hit in the
+    plan's argument packs launches at once; anything else (new pointers, set_num_sms since)
+    goes to `slow`, the backend's full path, which chooses the family again."""
+
+    __slots__ = ("plan", "problem", "device", "device_index", "slow")
+
+    def __init__(self, problem: GemmProblem, device: torch.device, slow) -> None:
+        self.plan = get_plan(problem, device.index, SMALL_M.config_for(problem, device))
+        self.problem, self.device, self.device_index, self.slow = (problem, device, device.index,
+                                                                   slow)
+
+    def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+            out: torch.Tensor, c: torch.Tensor | None) -> None:
+        plan = self.plan
+        # SmallMPlan.run's pack key; out is contiguous here, so its row stride is N.
+        pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
+                               out.data_ptr(), plan.n))
+        if pack is not None and plan.sm_override == num_sms_override():
+            launch(plan.kernel, plan.launch, self.device_index, pack)
+        else:
+            self.slow(a, sa, b, sb, out, c)
+            if plan.sm_override != num_sms_override():
+                facts = DeviceFacts.of(self.device)
+                if SMALL_M.declines(self.problem, facts) is None:
+                    self.plan = get_plan(self.problem, self.device_index,
+                                         SMALL_M.select_config(self.problem, facts))
+
+
+def launcher(problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor, slow):
+    """`_Launcher.run` for warm calls with contiguous a, b, out and scales with the metadata of
+    sa and sb, or None when those scales need converting on every call (the general path).
+    `slow(a, sa, b, sb, out, c)` runs a call the launcher has no argument pack for."""
+    if not (is_col_major_tma_aligned(sa) and sb.is_contiguous()):
+        return None
+    return _Launcher(problem, sa.device, slow).run

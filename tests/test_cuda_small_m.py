@@ -1,0 +1,440 @@
+"""The CUDA small-M family (sm90_fp8_gemm_1d2d_small_m: swap-AB, split-K over a cluster).
+
+CPU: what it supports and declines, the heuristic's choices and their validity over a table of
+decode shapes, the shared-memory layout against the kernel's, and every kernel the heuristic
+picks (plus the extremes it may pick) compiled for sm_90a with no spills, no local memory, no
+serialised or fenced wgmma and QGMMA of the token tile's width in the SASS.
+
+GPU (marked gpu): against float64 on the dequantised inputs (independent random scales, so a
+scale read from the wrong token or k-block shows as a large error), poisoned outputs, a strided
+output view, bit-identical repeats of split configs, CUDA-graph capture, the ops layer's warm path,
+and the model's cluster capacity against the driver's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fp8gemm.backends import cuda as cuda_backend
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as dense
+from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
+from fp8gemm.backends.family import DeviceFacts
+from fp8gemm.problem import GemmKind, GemmProblem, Recipe, align, ceil_div
+from helpers import TOL, calc_diff, col_major_tma, compiler_or_skip, poisoned, rand_fp8, \
+    rand_scales, ref_gemm
+
+E4M3 = torch.float8_e4m3fn
+H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
+H100_PCIE = DeviceFacts("NVIDIA H100 PCIe", (9, 0), num_sms=114, smem_per_block=232448)
+MS = (1, 2, 7, 37, 64, 100, 129, 200, 256)
+# The suite's N x K, then thin, wide and awkward ones (N < 64, K not a multiple of 128).
+NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048),
+      (576, 7168), (200, 336), (576, 320), (56, 1040), (1024, 4096)]
+TABLE = [(m, n, k) for m in MS for (n, k) in NK]
+
+
+def problem(m, n, k, **kw) -> GemmProblem:
+    base = dict(kind=GemmKind.DENSE, m=m, n=n, k=k, groups=1, a_dtype=E4M3, b_dtype=E4M3,
+                a_recipe=Recipe.GROUP, b_recipe=Recipe.BLOCK, out_dtype=torch.bfloat16)
+    base.update(kw)
+    return GemmProblem(**base)
+
+
+def chosen(m, n, k, facts=H200):
+    return cuda_backend.family_for(problem(m, n, k), facts)
+
+
+# --- supports and declines ---------------------------------------------------------------------------
+def test_supports_decode_sizes_only():
+    assert sm.SMALL_M.supports(problem(256, 2112, 7168)) is None
+    why = sm.SMALL_M.supports(problem(257, 2112, 7168))
+    assert isinstance(why, str) and "M <= 256" in why
+    assert "dense" in sm.SMALL_M.supports(problem(64, 576, 512, kind=GemmKind.MASKED, groups=2))
+    for kw, needle in [(dict(b_dtype=torch.float8_e5m2), "e4m3"), (dict(has_c=True), "C"),
+                       (dict(a_recipe=Recipe.ROW), "1x128"), (dict(out_dtype=torch.float32),
+                                                             "bfloat16")]:
+        assert needle in sm.SMALL_M.supports(problem(64, 576, 512, **kw))
+
+
+def test_backend_supports_is_unchanged():
+    """The family supports a subset of the dense family's problems: the backend's answer is the
+    dense family's."""
+    for m, n, k in TABLE + [(4096, 7168, 2048)]:
+        p = problem(m, n, k)
+        assert (cuda_backend.supports(p) is None) == (dense.DENSE.supports(p) is None)
+    assert cuda_backend.FAMILIES.index(sm.SMALL_M) < cuda_backend.FAMILIES.index(dense.DENSE)
+
+
+def test_thin_n_long_k_goes_to_the_small_m_family_split():
+    """The weak dense shapes (few tiles of B for 132 SMs, K = 7168) run split along K."""
+    for m in (1, 2, 7, 37, 64, 100, 129, 200):
+        assert chosen(m, 2112, 7168) is sm.SMALL_M, m
+        cfg = sm.SMALL_M.select_config(problem(m, 2112, 7168), H200)
+        assert cfg.num_splits >= 2 and cfg.grid >= 0.5 * H200.num_sms, (m, cfg)
+    cfg = sm.SMALL_M.select_config(problem(64, 2112, 7168), H200)
+    assert (cfg.block_m, cfg.num_splits) == (64, 3)  # 33 tiles x 3: the largest one-wave split
+
+
+def test_large_problems_stay_with_the_dense_family():
+    for m, n, k in [(4096, 7168, 2048), (257, 2112, 7168), (256, 7168, 2048), (64, 24576, 1536),
+                    (1, 32768, 512), (129, 7168, 16384)]:
+        assert chosen(m, n, k) is dense.DENSE, (m, n, k)
+    why = sm.SMALL_M.declines(problem(256, 7168, 2048), H200)
+    assert isinstance(why, str) and "one wave" in why
+
+
+def test_declines_where_the_dense_model_is_as_fast():
+    """Tiny GEMMs cost the launch either way: the model leaves them to the dense family."""
+    why = sm.SMALL_M.declines(problem(64, 576, 320), H200)
+    assert isinstance(why, str) and "modelled" in why
+    assert chosen(64, 576, 320) is dense.DENSE
+
+
+# --- heuristic ---------------------------------------------------------------------------------------------
+def _taken(facts):
+    out = []
+    for m, n, k in TABLE:
+        p = problem(m, n, k)
+        if sm.SMALL_M.supports(p) is None and sm.SMALL_M.declines(p, facts) is None:
+            out.append((p, sm.SMALL_M.select_config(p, facts)))
+    return out
+
+
+def assert_valid(cfg: sm.SmallMConfig, m: int, n: int, k: int, facts: DeviceFacts) -> None:
+    num_kb = ceil_div(k, sm.BLOCK_K)
+    assert cfg.block_m % 8 == 0 and 8 <= cfg.block_m <= sm.MAX_BLOCK_M
+    assert cfg.block_m <= align(m, 8), "a token tile wider than M only computes zeros"
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, sm.BLOCK_N)
+    assert cfg.grid == tiles * cfg.num_splits
+    assert 1 <= cfg.num_splits <= min(sm.MAX_SPLITS, num_kb)
+    # One wave: every cluster resident at once, at most one CTA per SM.
+    assert tiles <= sm.cluster_slots(cfg.num_splits, facts.num_sms)
+    assert cfg.grid <= facts.num_sms
+    # Shared memory fits; stages as deep as it allows, capped at one per k-block of a split.
+    assert cfg.smem(k) <= facts.smem_per_block
+    top = max(sm.MIN_STAGES, min(sm.MAX_STAGES, ceil_div(num_kb, cfg.num_splits)))
+    assert sm.MIN_STAGES <= cfg.num_stages <= top
+    assert cfg.num_stages == top or sm.smem_bytes(cfg.block_m, cfg.num_splits,
+                                                  cfg.num_stages + 1, k) > facts.smem_per_block
+    assert cfg.num_threads == 384 and cfg.block_n == 64
+
+
+@pytest.mark.parametrize("facts", [H200, H100_PCIE], ids=["h200", "h100pcie"])
+def test_configs_are_valid(facts):
+    taken = _taken(facts)
+    assert len(taken) >= 20
+    for p, cfg in taken:
+        assert_valid(cfg, p.m, p.n, p.k, facts)
+        assert sm.SMALL_M.candidate_configs(p, facts)[0] == cfg
+        assert all(c.grid <= facts.num_sms for c in sm.SMALL_M.candidate_configs(p, facts))
+
+
+def test_config_is_the_cheapest_candidate():
+    """The documented objective: least modelled time; among equals fewer splits, fewer tiles."""
+    for p, cfg in _taken(H200):
+        cands = sm.candidates(p.m, p.n, p.k, H200)
+        best = cands[0]
+        assert best.config == cfg
+        for c in cands:
+            assert (c.us, c.config.num_splits, c.tiles) >= (best.us, cfg.num_splits, best.tiles)
+        # It wins over the dense family's config by the model's margin.
+        assert best.us < sm.WIN_FACTOR * sm.dense_estimate_us(p, H200)
+
+
+def test_model_shape():
+    # Splitting a thin-N, long-K GEMM shortens the slowest CTA's stream.
+    assert sm.estimate_us(64, 2112, 7168, 64, 3) < sm.estimate_us(64, 2112, 7168, 64, 1)
+    # The DRAM floor bounds the time from below whatever the split.
+    assert sm.estimate_us(1, 2112, 7168, 8, 8) >= sm.FIXED_US + sm.dram_us(1, 2112, 7168)
+    # Cluster packing: 8-CTA clusters fill 14 of 16.5 slots on 132 SMs; pairs fill all.
+    assert sm.cluster_slots(8, 132) == 14 and sm.cluster_slots(2, 132) == 66
+    assert sm.cluster_slots(1, 132) == 132
+    assert sm.token_tiles(37) == (40, 24) and sm.token_tiles(256) == (128, 88)
+    assert sm.token_tiles(1) == (8,)
+
+
+def test_config_is_pure_and_cached():
+    p = problem(37, 2112, 7168)
+    assert sm.SMALL_M.select_config(p, H200) is sm.SMALL_M.select_config(p, H200)
+    assert sm.SMALL_M.select_config(p, H200) == sm.SMALL_M.select_config(p, replace(H200))
+    assert hash(sm.SMALL_M.select_config(p, H200))
+    assert "split-K=" in str(sm.SMALL_M.select_config(p, H200))
+
+
+def test_fewer_sms_shrink_the_grid():
+    few = replace(H200, num_sms=66)
+    for m, n, k in [(64, 2112, 7168), (1, 4096, 7168)]:
+        p = problem(m, n, k)
+        if sm.SMALL_M.declines(p, few) is None:
+            assert sm.SMALL_M.select_config(p, few).grid <= 66
+
+
+def test_select_config_raises_without_a_one_wave_config():
+    with pytest.raises(ValueError, match="one-wave"):
+        sm.SMALL_M.select_config(problem(256, 7168, 2048), H200)
+
+
+def test_plan_rejects_an_inconsistent_grid():
+    with pytest.raises(ValueError, match="tiles x splits"):
+        sm.SmallMPlan(problem(64, 2112, 7168), 0, sm.SmallMConfig(64, 3, 8, 100))
+
+
+def test_plans_are_per_config_and_printed(monkeypatch, capsys):
+    built = []
+
+    class FakePlan:
+        def __init__(self, prob, device_index, cfg):
+            built.append(cfg)
+
+    monkeypatch.setattr(sm, "SmallMPlan", FakePlan)
+    monkeypatch.setattr(sm, "_plans", {})
+    monkeypatch.setenv("FP8GEMM_PRINT_CONFIGS", "1")
+    p = problem(64, 2112, 7168)
+    cfg = sm.SMALL_M.select_config(p, H200)
+    first = sm.get_plan(p, 0, cfg)
+    assert sm.get_plan(p, 0, cfg) is first and built == [cfg]
+    printed = capsys.readouterr().out
+    assert "sm90_fp8_gemm_1d2d_small_m" in printed and "split-K=3" in printed
+
+
+def test_no_launcher_for_scales_converted_per_call():
+    sa = torch.zeros(64, 56)  # row-major: converted on every call
+    assert sm.launcher(problem(64, 2112, 7168), sa, torch.zeros(17, 56), None) is None
+
+
+# --- compile ---------------------------------------------------------------------------------------------
+def _cuobjdump():
+    from fp8gemm.jit import cuobjdump_path
+
+    tool = cuobjdump_path()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's wheel)")
+    return tool
+
+
+def _variants():
+    """(N, K, config) of every kernel the heuristic picks on the table (H200, H100 PCIe), and the
+    extremes it may pick elsewhere: the widest token tile with the largest split, the narrowest
+    with the largest split, two stages, N < 64 with a K tail."""
+    seen = {}
+    for facts in (H200, H100_PCIE):
+        for p, cfg in _taken(facts):
+            seen.setdefault((p.n, p.k, cfg), None)
+    for n, k, bm, splits in [(2112, 7168, 128, 8), (2112, 7168, 8, 8), (56, 1040, 8, 4),
+                             (576, 320, 40, 3)]:
+        stages = sm.max_stages(bm, splits, k, H200.smem_per_block)
+        seen.setdefault((n, k, sm.SmallMConfig(bm, splits, stages, 1)), None)
+    seen.setdefault((576, 7168, sm.SmallMConfig(64, 2, 2, 1)), None)
+    return list(seen)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    compiler_or_skip()
+    old = os.environ.get("FP8GEMM_CACHE_DIR")
+    os.environ["FP8GEMM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cubins"))
+    try:
+        yield [(n, k, cfg, sm.compile_kernel(n, k, cfg)[1]) for n, k, cfg in _variants()]
+    finally:
+        if old is None:
+            os.environ.pop("FP8GEMM_CACHE_DIR", None)
+        else:
+            os.environ["FP8GEMM_CACHE_DIR"] = old
+
+
+def test_every_variant_compiles_clean(compiled, tmp_path):
+    """No spills or stack, no local memory, QGMMA.64x{block_m}x32, no serialised wgmma
+    (C7514/C7515) nor compiler-injected accumulator fences (C7519); registers within the
+    384-thread launch's 168 (setmaxnreg then gives the math warpgroups 232)."""
+    tool = _cuobjdump()
+    assert len(compiled) >= 15
+    for n, k, cfg, c in compiled:
+        what = f"N={n} K={k} {cfg}"
+        assert not re.search(r"C751[459]", c.log), f"{what}\n{c.log}"
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", c.log)]
+        regs = [int(x) for x in re.findall(r"Used (\d+) registers", c.log)]
+        if spills:
+            assert max(spills) == 0, f"{what}\n{c.log}"
+        if regs:
+            assert max(regs) <= 168, f"{what}\n{c.log}"
+        path = tmp_path / "k.cubin"
+        path.write_bytes(c.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert re.search(rf"QGMMA\.64x{cfg.block_m}x32", sass), f"{what}: no QGMMA.64x{cfg.block_m}x32"
+        assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory"
+        # A split reduces through the cluster: its barrier and DSMEM loads are in the SASS.
+        assert (cfg.num_splits > 1) == bool(re.search(r"UCGABAR_ARV", sass)), what
+        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
+        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
+        assert len(found) >= 2 and max(map(int, found)) == 0, f"{what}: {res}"
+
+
+def test_host_layout_matches_the_kernel(tmp_path, monkeypatch):
+    """smem_bytes is Sm90Fp8GemmSmallMLayout::kSmemBytes (the kernel traps on less)."""
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    cases = [(2112, 7168, 64, 3, 8), (56, 1040, 8, 4, 2), (4096, 7168, 128, 1, 7),
+             (576, 320, 40, 3, 2)]
+    checks = "".join(
+        f"static_assert(fp8gemm::Sm90Fp8GemmSmallMLayout<{n}, {k}, {bm}, {s}, {st}>::kSmemBytes"
+        f" == {sm.smem_bytes(bm, s, st, k)}, \"smem_bytes({bm}, {s}, {st}, {k})\");\n"
+        for n, k, bm, s, st in cases)
+    source, name = sm.kernel_source(576, 320, sm.SmallMConfig(40, 3, 2, 1))
+    from fp8gemm import jit
+
+    jit.compile_cached(source + checks, name, (str(dense.INCLUDE_DIR),))
+
+
+# --- GPU -----------------------------------------------------------------------------------------------
+TOL_BF16 = TOL[torch.bfloat16]
+GPU_NK = [(2112, 7168), (4096, 7168), (200, 336), (56, 1040)]
+
+
+def operands(m, n, k, device):
+    a = rand_fp8((m, k), E4M3, device)
+    b = rand_fp8((n, k), E4M3, device)
+    sa = col_major_tma(rand_scales((m, ceil_div(k, 128)), device))
+    sb = rand_scales((ceil_div(n, 128), ceil_div(k, 128)), device)
+    return a, sa, b, sb
+
+
+def run_config(cfg, a, sa, b, sb, out=None):
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    if out is None:
+        out = poisoned((m, n), torch.bfloat16, a.device)
+    sm.SMALL_M.run(cfg, problem(m, n, k), a, sa, b, sb, out)
+    return out
+
+
+def heuristic_or_first(m, n, k, device):
+    """The heuristic's config on this device, also where the family would decline (to test the
+    kernel at every M), else None."""
+    cands = sm.candidates(m, n, k, DeviceFacts.of(device))
+    return cands[0].config if cands else None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", GPU_NK, ids=lambda v: str(v))
+def test_matches_float64(n, k, gpu_device):
+    for m in MS:
+        cfg = heuristic_or_first(m, n, k, gpu_device)
+        if cfg is None:
+            continue
+        a, sa, b, sb = operands(m, n, k, gpu_device)
+        out = run_config(cfg, a, sa, b, sb)  # poisoned: an element never written stays NaN
+        torch.cuda.synchronize()
+        what = f"{m}x{n}x{k} {cfg}"
+        assert not torch.isnan(out).any(), f"{what}: elements never written"
+        diff = calc_diff(out, ref_gemm(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK))
+        assert diff < TOL_BF16, f"{what}: calc_diff {diff:.3g}"
+
+
+# Configs the heuristic may not pick on these shapes: the largest split, a split whose CTAs own one
+# k-block (the second math warpgroup idle), odd and minimal stage counts (the two warpgroups'
+# stage/phase walk), more clusters than one wave, N below one tile of B with a K tail.
+FORCED = [(64, 2112, 7168, 64, 8, 8), (37, 576, 320, 40, 3, 2), (64, 2112, 7168, 64, 2, 3),
+          (200, 2112, 7168, 104, 2, 2), (1, 4096, 7168, 8, 4, 5), (129, 56, 1040, 72, 8, 2),
+          (256, 1024, 4096, 128, 5, 7)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,bm,splits,stages", FORCED, ids=lambda v: str(v))
+def test_forced_configs(m, n, k, bm, splits, stages, gpu_device):
+    tiles = ceil_div(m, bm) * ceil_div(n, sm.BLOCK_N)
+    cfg = sm.SmallMConfig(bm, splits, stages, tiles * splits)
+    a, sa, b, sb = operands(m, n, k, gpu_device)
+    out = run_config(cfg, a, sa, b, sb)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert calc_diff(out, ref_gemm(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK)) < TOL_BF16
+
+
+@pytest.mark.gpu
+def test_bit_identical_repeats_and_strided_output(gpu_device):
+    """A split's sum order is fixed: the same bits every run. A view with a row stride wider
+    than N gets exactly its elements written."""
+    m, n, k = 64, 2112, 7168
+    cfg = sm.SmallMConfig(64, 3, 8, 33 * 3)
+    a, sa, b, sb = operands(m, n, k, gpu_device)
+    first = run_config(cfg, a, sa, b, sb)
+    for _ in range(3):
+        again = run_config(cfg, a, sa, b, sb)
+        torch.cuda.synchronize()
+        assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    big = torch.full((m + 2, n + 64), 7.0, dtype=torch.bfloat16, device=gpu_device)
+    view = big[1:m + 1, 8:n + 8]
+    run_config(cfg, a, sa, b, sb, out=view)
+    torch.cuda.synchronize()
+    assert torch.equal(view.view(torch.int16), first.view(torch.int16))
+    view.fill_(7.0)
+    assert bool((big == 7.0).all()), "elements outside the view were written"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture(gpu_device):
+    m, n, k = 37, 2112, 7168
+    p = problem(m, n, k)
+    assert cuda_backend.family_for(p, DeviceFacts.of(gpu_device)) is sm.SMALL_M
+    a, sa, b, sb = operands(m, n, k, gpu_device)
+    out = poisoned((m, n), torch.bfloat16, gpu_device)
+    cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, None, p)  # warm: compile, load, encode maps
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, None, p)
+    a2, sa2, b2, sb2 = operands(m, n, k, gpu_device)
+    a.copy_(a2), sa.copy_(sa2), b.copy_(b2), sb.copy_(sb2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert calc_diff(out, ref_gemm(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK)) < TOL_BF16
+
+
+@pytest.mark.gpu
+def test_through_the_ops_layer_warm_path(gpu_device):
+    """fp8_gemm_nt(..., backend="cuda") reaches the family; the second call takes the launcher."""
+    import fp8gemm
+
+    m, n, k = 64, 2112, 7168
+    a, sa, b, sb = operands(m, n, k, gpu_device)
+    ref = ref_gemm(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK)
+    first = fp8gemm.fp8_gemm_nt((a, sa), (b, sb), backend="cuda")
+    second = fp8gemm.fp8_gemm_nt((a, sa), (b, sb), backend="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(first.view(torch.int16), second.view(torch.int16))
+    assert calc_diff(first, ref) < TOL_BF16
+
+
+@pytest.mark.gpu
+def test_model_cluster_slots_fit_the_device(gpu_device):
+    """The model's one-wave capacity (cluster_slots) is at most what the driver says can be
+    resident, for every split the heuristic may choose, with the largest token tile's shared
+    memory."""
+    from cuda.bindings import driver as cu
+
+    facts = DeviceFacts.of(gpu_device)
+    m, n, k = 64, 2112, 7168
+    for splits in range(1, sm.MAX_SPLITS + 1):
+        stages = sm.max_stages(sm.MAX_BLOCK_M, splits, k, facts.smem_per_block)
+        cfg = sm.SmallMConfig(sm.MAX_BLOCK_M, splits, stages, 33 * splits)
+        plan = sm.get_plan(problem(m, n, k), gpu_device.index or 0, cfg)
+        err, func = cu.cuKernelGetFunction(plan.kernel._kernel)
+        assert err == cu.CUresult.CUDA_SUCCESS, err
+        lc = cu.CUlaunchConfig()
+        lc.gridDimX, lc.gridDimY, lc.gridDimZ = cfg.grid, 1, 1
+        lc.blockDimX, lc.blockDimY, lc.blockDimZ = sm.NUM_THREADS, 1, 1
+        lc.sharedMemBytes = cfg.smem(k)
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = splits, 1, 1
+        lc.attrs, lc.numAttrs = [attr], 1
+        err, count = cu.cuOccupancyMaxActiveClusters(func, lc)
+        assert err == cu.CUresult.CUDA_SUCCESS, err
+        assert sm.cluster_slots(splits, facts.num_sms) <= count, (splits, count)
