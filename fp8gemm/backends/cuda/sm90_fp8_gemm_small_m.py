@@ -334,6 +334,8 @@ class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
             return why
         if problem.m > MAX_M:
             return f"takes M <= {MAX_M} (decode sizes), got M={problem.m}"
+        if problem.has_c:
+            return "has no C input (the dense family adds C)"
         return None
 
     def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
