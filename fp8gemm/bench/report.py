@@ -28,7 +28,7 @@ from .timing import MIN_DEVICE_RUNS, geomean
 
 __all__ = ["META_KEYS", "ROW_KEYS", "SHAPE_KEYS", "IMPL_ORDER", "read_clocks", "make_meta",
            "is_wrong", "make_row", "make_doc", "validate_doc", "write_json", "load_json", "ratios",
-           "geomeans", "floor_us", "FLOOR_SUITES", "method_text", "markdown", "summary_markdown",
+           "geomeans", "floor_us", "FLOOR_SUITES", "plot_panels", "method_text", "markdown", "summary_markdown",
            "HISTORY_KEYS",
            "history_entry", "load_history", "write_history", "history_markdown", "page_markdown",
            "plot"]
@@ -584,13 +584,9 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
         return f"no plot: matplotlib is not importable ({e})"
     rows = doc["rows"]
     rat = ratios(rows)
-    bars = [(s, o, [i for i in idx if i in rat]) for s, o, idx in _sections(rows)
-            if s not in FLOOR_SUITES]
-    bars = [x for x in bars if x[2]]
-    lines = [(s, o, nk, idx) for s, o, sec in _sections(rows) if s in FLOOR_SUITES
-             for nk, idx in _by_nk(rows, sec).items()]
+    bars, lines = plot_panels(rows)
     if not bars and not lines:
-        return "no plot: no shape has its baseline measured"
+        return "no plot: no shape has its baseline measured, and none is of a floor suite"
     cols = 3
     line_rows = -(-len(lines) // cols)
     height = 3.6 * len(bars) + 3.2 * line_rows
@@ -609,6 +605,17 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def plot_panels(rows: list[dict]) -> tuple[list[tuple], list[tuple]]:
+    """What `plot` draws: ([(suite, op, row indices with a ratio)] as bar panels,
+    [(suite, op, (N, K), row indices)] as µs / floor panels, FLOOR_SUITES only)."""
+    rat = ratios(rows)
+    bars = [(s, o, [i for i in idx if i in rat]) for s, o, idx in _sections(rows)
+            if s not in FLOOR_SUITES]
+    lines = [(s, o, nk, idx) for s, o, sec in _sections(rows) if s in FLOOR_SUITES
+             for nk, idx in _by_nk(rows, sec).items()]
+    return [x for x in bars if x[2]], lines
 
 
 def _bar_panel(ax, rows: list[dict], rat: dict, suite: str, op: str, idx: list[int]) -> None:
