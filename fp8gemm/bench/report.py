@@ -28,10 +28,9 @@ from .timing import MIN_DEVICE_RUNS, geomean
 
 __all__ = ["META_KEYS", "ROW_KEYS", "SHAPE_KEYS", "IMPL_ORDER", "read_clocks", "make_meta",
            "is_wrong", "make_row", "make_doc", "validate_doc", "write_json", "load_json", "ratios",
-           "geomeans", "floor_us", "FLOOR_SUITES", "plot_panels", "method_text", "markdown", "summary_markdown",
-           "HISTORY_KEYS",
-           "history_entry", "load_history", "write_history", "history_markdown", "page_markdown",
-           "plot"]
+           "geomeans", "floor_us", "FLOOR_SUITES", "method_text", "markdown", "summary_markdown",
+           "HISTORY_KEYS", "history_entry", "load_history", "write_history", "history_markdown",
+           "page_markdown", "plot", "plot_panels"]
 
 META_KEYS = ("gpu", "clocks", "torch", "triton", "cuda", "commit", "date")
 ROW_KEYS = ("suite", "op", "shape", "impl", "us", "eager_us", "tflops", "gbs", "diff")
