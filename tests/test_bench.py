@@ -818,3 +818,13 @@ def test_dry_run_of_the_quick_sweep_and_backward(capsys):
     out = capsys.readouterr().out
     assert "dgrad      1000x7168x2112" in out and "cublas-block-loop" in out
     assert "8xmean 4096 tokens (2 with none), 4096x7168" in out
+
+
+def test_benchmarks_page_shows_backward_and_the_sweep_floor():
+    rows = _sweep_doc()["rows"]
+    rows += [_row("backward", "dgrad", 4096, 7168, 2112, impl="cublas-block", us=80.0),
+             _row("backward", "dgrad", 4096, 7168, 2112, impl="fp8gemm-cuda", us=64.0)]
+    text = report.page_markdown([("results/h.json", report.make_doc(META, rows), None)], [])
+    assert "backward / dgrad: device µs" in text and "64.0 (1.25×)" in text
+    assert "m-sweep / dense: geometric mean of µs / floor" in text
+    assert "m-sweep / dense: device µs" not in text  # its 90 shapes stay in the result file

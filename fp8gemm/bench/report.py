@@ -23,7 +23,8 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from .suites import BASELINE, DENSE_LIKE_OPS, FLOOR_BYTES_PER_US, FLOOR_FIXED_US, Case
+from .suites import (BASELINE, DENSE_LIKE_OPS, FLOOR_BYTES_PER_US, FLOOR_FIXED_US, MOE_LAYER,
+                     Case)
 from .timing import MIN_DEVICE_RUNS, geomean
 
 __all__ = ["META_KEYS", "ROW_KEYS", "SHAPE_KEYS", "IMPL_ORDER", "read_clocks", "make_meta",
@@ -418,10 +419,16 @@ def method_text() -> str:
         f"Device µs: median of >= {MIN_DEVICE_RUNS} runs, CUDA events, L2 flushed (256 MB memset) "
         "before each run, launch cost hidden behind a sleep kernel, the impls of a shape taking "
         "turns run by run. Eager µs: 50 back-to-back calls, wall clock per call. TFLOPS and GB/s "
-        "use the problem's FLOPs and fewest bytes (fp8 A and B, fp32 scales, bf16 out, each once) "
+        "use the problem's FLOPs and fewest bytes (fp8 A and B, fp32 scales, bf16 out or fp32 for "
+        "the weight gradients, each once) "
         "for every impl. diff: 1 - 2Σxy/Σ(x²+y²) against a float64 product of the dequantised "
         "inputs (cublas-tensor and cublas-rowwise-grouped quantise per tensor / per row, so their "
-        "diff includes that quantisation error; torch-bf16 includes bf16 rounding). µs / floor "
+        "diff includes that quantisation error; torch-bf16 includes bf16 rounding). "
+        f"moe_layer: one rank's share of a DeepSeek-V3 expert layer (hidden {MOE_LAYER.hidden}, "
+        f"expert width {MOE_LAYER.width}, top-{MOE_LAYER.topk} of {MOE_LAYER.experts} experts "
+        f"over {MOE_LAYER.ranks} ranks: {MOE_LAYER.local_experts} local experts), random "
+        "routing, time per layer; its notes split it into GEMMs, quantisation and the rest. "
+        "µs / floor "
         f"(M <= {_SMALL_M}, and every M of {', '.join(FLOOR_SUITES)}): time over the memory "
         f"floor, bytes / {FLOOR_BYTES_PER_US / 1e6:g} TB/s + {FLOOR_FIXED_US:g} µs (the H200's "
         "measured copy bandwidth and an almost-empty kernel timed this way). WRONG: NaN, or "
@@ -433,8 +440,8 @@ def method_text() -> str:
         "[N_out, K_in] at T tokens, wgrad (dW = dY^T . X, fp32 out, 1x128 scales on both) is "
         "N_out×K_in×T and dgrad (dX = dY . W on the transposed weight) T×K_in×N_out. Grouped "
         "shapes are G×M per group (moe-skewed: G×mean); deepseek-grouped masked groups are full "
-        "(masked_m = Mmax), moe-skewed draws masked_m per expert; k_grouped_wgrad is G experts "
-        "× tokens each (mean: skewed, some experts with none).")
+        "(masked_m = Mmax), moe-skewed draws masked_m per expert; k_grouped_wgrad is G×M, N×K "
+        "with K the tokens of each expert (backward-skewed: their mean; some experts get none).")
 
 
 def markdown(docs: list[tuple[str, dict]], title: str | None = None,
@@ -466,6 +473,8 @@ HISTORY_KEYS = ("date", "commit", "gpu", "file", "geomeans")
 # Geometric means the page's history table shows: every fp8gemm impl over all shapes, and the
 # DeepSeek dense suite per M range (decode and prefill sizes behave differently).
 _HISTORY_RANGED_SUITES = ("deepseek-dense",)
+# Suites whose per-shape table the page shows (the others are in the result file's markdown).
+_PAGE_SUITES = ("deepseek-dense", "deepseek-grouped", "backward", "backward-skewed")
 
 
 def history_entry(name: str, doc: dict) -> dict:
@@ -539,8 +548,8 @@ def page_markdown(current: list[tuple[str, dict, str | None]], history: list[dic
                   title: str = "fp8gemm benchmarks") -> str:
     """BENCHMARKS.md. `current` is [(link to the result file, its doc, link to its plot or
     None)], one per GPU; `history` the recorded runs (runs of `current` not recorded yet are
-    added). For each current run: its meta, plot, geometric means and the per-shape tables of
-    the DeepSeek suites; then the history table."""
+    added). For each current run: its meta, plot, geometric means, the per-shape tables of
+    _PAGE_SUITES and the µs / floor means of FLOOR_SUITES; then the history table."""
     out = [f"# {title}\n", method_text() + "\n"]
     for link, doc, png in current:
         name = Path(link).name
@@ -555,8 +564,10 @@ def page_markdown(current: list[tuple[str, dict, str | None]], history: list[dic
         out.append("#### Geometric mean of the speed-up over the baseline peer\n\n"
                    + _geomean_table(rows) + "\n")
         for s, o, idx in _sections(rows):
-            if s.startswith("deepseek"):
+            if s in _PAGE_SUITES:
                 out.append(_wide(rows, s, o, idx, rat) + "\n")
+            if s in FLOOR_SUITES:
+                out.append(_floor_geomeans(rows, s, o, idx) + "\n")
     recorded = {e["file"] for e in history}
     entries = list(history) + [history_entry(Path(link).name, doc) for link, doc, _ in current
                                if Path(link).name not in recorded]
