@@ -828,3 +828,20 @@ def test_benchmarks_page_shows_backward_and_the_sweep_floor():
     assert "backward / dgrad: device µs" in text and "64.0 (1.25×)" in text
     assert "m-sweep / dense: geometric mean of µs / floor" in text
     assert "m-sweep / dense: device µs" not in text  # its 90 shapes stay in the result file
+
+
+def test_problems_asked_of_the_backends():
+    """What `supports` is asked: wgrad a dense 1x128 x 1x128 GEMM with fp32 out and c, the
+    k-grouped wgrad the k-grouped kind over every expert's tokens, dgrad the forward GEMM."""
+    from fp8gemm.problem import GemmKind, Recipe
+
+    cpu = torch.device("cpu")
+    w = impls._problem(impls.make_data(Case("t", "wgrad", 256, 384, 1000), cpu))
+    assert (w.kind, w.m, w.n, w.k, w.b_recipe, w.out_dtype, w.has_c) == (
+        GemmKind.DENSE, 256, 384, 1000, Recipe.GROUP, torch.float32, True)
+    kg = impls._problem(impls.make_data(Case("t", "k_grouped_wgrad", 64, 128, 256, 3,
+                                             (0, 512, 256)), cpu))
+    assert (kg.kind, kg.m, kg.n, kg.k, kg.groups) == (GemmKind.K_GROUPED, 64, 128, 768, 3)
+    d = impls._problem(impls.make_data(Case("t", "dgrad", 1000, 384, 512), cpu))
+    assert (d.kind, d.m, d.n, d.k, d.b_recipe, d.out_dtype) == (
+        GemmKind.DENSE, 1000, 384, 512, Recipe.BLOCK, torch.bfloat16)

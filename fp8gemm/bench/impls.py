@@ -405,10 +405,10 @@ def _bf16_operands(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
 def _problem(data: CaseData) -> GemmProblem:
     c = data.case
     if c.op in ("wgrad", "k_grouped_wgrad"):
-        kind, groups = ((GemmKind.K_GROUPED, c.groups) if c.op == "k_grouped_wgrad"
-                        else (GemmKind.DENSE, 1))
-        return GemmProblem(kind, c.m, c.n, sum(c.group_sizes), groups, _E4M3, _E4M3,
-                           Recipe.GROUP, Recipe.GROUP, torch.float32, has_c=True)
+        kind, k, groups = ((GemmKind.K_GROUPED, sum(c.group_sizes), c.groups)
+                           if c.op == "k_grouped_wgrad" else (GemmKind.DENSE, c.k, 1))
+        return GemmProblem(kind, c.m, c.n, k, groups, _E4M3, _E4M3, Recipe.GROUP, Recipe.GROUP,
+                           torch.float32, has_c=True)
     kind = {"dense": GemmKind.DENSE, "dgrad": GemmKind.DENSE, "contiguous": GemmKind.CONTIGUOUS,
             "offsets": GemmKind.OFFSETS, "masked": GemmKind.MASKED}[c.op]
     rows = c.mmax if c.op == "masked" else data.a.shape[0]
