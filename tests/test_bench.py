@@ -84,7 +84,7 @@ def test_irregular_suite_has_awkward_shapes():
 
 
 def test_all_suite_and_unknown_suite():
-    assert len(suites.suite_cases("all")) == 18 + 10 + 24 + 84 + 20 + 14 + 2
+    assert len(suites.suite_cases("all")) == 18 + 10 + 24 + 90 + 18 + 28 + 2
     assert suites.suite_cases("deepseek-dense", quick=True) == suites.suite_cases("deepseek-dense")
     with pytest.raises(ValueError, match="suite must be one of"):
         suites.suite_cases("nope")
@@ -437,9 +437,7 @@ def test_skewed_suite_is_deterministic_with_matching_rows():
             assert sum(masked.sizes) == 1024 and masked.m == 1024 // g  # expected_m = mean
             assert len(set(masked.sizes)) > 1 and masked.mmax % 128 == 0
             assert masked.mmax >= max(masked.sizes)
-    kg = [c for c in cases if c.op == "k_grouped_wgrad"]
-    assert [(c.m, c.n, c.groups) for c in kg] == [(4096, 7168, 8), (7168, 2048, 8)]
-    assert all(sum(c.sizes) == 8 * 4096 and len(set(c.sizes)) > 1 for c in kg)
+    assert {c.op for c in cases} == {"contiguous", "offsets", "masked"}  # (kg: in backward)
     with pytest.raises(ValueError, match="sizes must be"):
         Case("t", "contiguous", 10, 16, 16, 2, (5, 6))
 
@@ -449,17 +447,31 @@ def test_m_sweep_and_backward_and_layer_suites():
     nk = {(c.n, c.k) for c in sweep}
     dense_nk = [(c.n, c.k) for c in suites.suite_cases("deepseek-dense")][:6]
     assert nk == set(dense_nk) and len(dense_nk) == 6
-    assert sorted({c.m for c in sweep}) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192,
+    assert sorted({c.m for c in sweep}) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192,
                                              224, 256]
-    assert all(c.op == "dense" for c in sweep)
+    assert all(c.op == "dense" for c in sweep) and len(sweep) == 15 * 6
     quick = suites.suite_cases("m-sweep", quick=True)
     assert 0 < len(quick) < len(sweep) and set(quick) <= set(sweep)
-    back = suites.suite_cases("deepseek-backward")
+    assert {(c.n, c.k) for c in quick} == set(dense_nk)  # fewer M, every N x K
+    back = suites.suite_cases("backward")
     wgrad = [(c.m, c.n, c.k) for c in back if c.op == "wgrad"]
     assert wgrad == [(n, k, t) for t in (4096, 1000) for n, k in dense_nk]
+    dgrad = [(c.m, c.n, c.k) for c in back if c.op == "dgrad"]
+    assert dgrad == [(t, k, n) for t in (4096, 1000) for n, k in dense_nk]
     kg = [c for c in back if c.op == "k_grouped_wgrad"]
-    assert [(c.m, c.n, c.k, c.groups, c.group_sizes) for c in kg] == [
-        (4096, 7168, 4096, 8, (4096,) * 8), (7168, 2048, 4096, 8, (4096,) * 8)]
+    assert [(c.suite, c.m, c.n, c.k, c.groups) for c in kg] == [
+        ("backward", 4096, 7168, 4096, 8), ("backward", 7168, 2048, 4096, 8),
+        ("backward-skewed", 4096, 7168, 4096, 8), ("backward-skewed", 7168, 2048, 4096, 8)]
+    assert kg[0].group_sizes == kg[1].group_sizes == (4096,) * 8
+    skewed = kg[2].group_sizes
+    assert kg[3].group_sizes == skewed and sum(skewed) == 8 * 4096
+    assert skewed.count(0) == 2 and max(skewed) > 2 * 4096 and all(k % 128 == 0 for k in skewed)
+    assert "2 with none" in kg[2].label
+    quick_back = suites.suite_cases("backward", quick=True)
+    assert set(quick_back) <= set(back) and len(quick_back) < len(back)
+    assert {c.op for c in quick_back} == {"wgrad", "dgrad", "k_grouped_wgrad"}
+    assert [c for c in quick_back if c.op == "k_grouped_wgrad"] == kg  # every k-grouped case
+    assert {c.k for c in quick_back if c.op == "wgrad"} == {4096, 1000}
     layer = suites.suite_cases("moe-layer")
     assert [(c.m, c.n, c.k, c.groups) for c in layer] == [(4096, 7168, 2048, 32),
                                                           (128, 7168, 2048, 32)]
@@ -476,11 +488,20 @@ def test_counts_of_the_new_ops():
     layer = suites.suite_cases("moe-layer")[0]
     assert layer.flops == 2 * 4096 * 3 * 7168 * 2048  # tokens * 8 of 256 experts * 32 local
     assert layer.min_bytes > 32 * 3 * 7168 * 2048  # every expert's fp8 weights
+    d = Case("t", "dgrad", 1000, 7168, 2112)  # dX [1000, 7168] = dY [1000, 2112] . W
+    kb = 17  # ceil(2112 / 128)
+    assert d.flops == 2 * 1000 * 7168 * 2112 and d.label == "1000x7168x2112"
+    assert d.min_bytes == (1000 * 2112 + 1000 * kb * 4 + 7168 * 2112 + 56 * kb * 4
+                           + 1000 * 7168 * 2)
     r = report.make_row("m-sweep", "dense", {"m": 256, "n": 2112, "k": 7168, "groups": 1},
                         "deepgemm", 20.0, 30.0, 1.0, 1.0, 1e-6)
-    floor = Case("m-sweep", "dense", 256, 2112, 7168).min_bytes / 4.25e6 + 4.0
-    assert report._floor_us(r) == pytest.approx(floor)  # the floor at every M of the sweep
-    assert report._floor_us(dict(r, suite="deepseek-dense")) is None
+    case = Case("m-sweep", "dense", 256, 2112, 7168)
+    assert suites.FLOOR_BYTES_PER_US == 4.25e6 and suites.FLOOR_FIXED_US == 4.0
+    assert case.floor_us == pytest.approx(case.min_bytes / 4.25e6 + 4.0)
+    assert report.floor_us(r) == pytest.approx(case.floor_us)  # at every M of the sweep
+    assert report.floor_us(dict(r, suite="deepseek-dense")) is None  # M > 128 elsewhere
+    small = dict(r, suite="deepseek-dense", shape=dict(r["shape"], m=64))
+    assert report.floor_us(small) == pytest.approx(Case("t", "dense", 64, 2112, 7168).floor_us)
 
 
 def test_contiguous_and_offsets_data_share_rows():
@@ -617,3 +638,210 @@ def test_impl_outputs_hold_only_data_rows_for_deepgemm_like_layouts():
     out = torch.full((data.a.shape[0], 24), float("nan"))
     out[data.rows] = ref.float()
     assert torch.equal(data.data_rows(out), ref.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# The M sweep against the memory floor, the backward ops, end to end on the CPU
+
+
+def test_skewed_sizes_with_empty_groups():
+    sizes = suites.skewed_sizes(32768, 8, unit=128, empty=2)
+    assert sizes == suites.skewed_sizes(32768, 8, unit=128, empty=2)
+    assert len(sizes) == 8 and sum(sizes) == 32768 and sizes.count(0) == 2
+    assert all(k % 128 == 0 for k in sizes)
+    assert suites.skewed_sizes(600, 5, empty=4).count(0) == 4  # one group takes every row
+    assert suites.skewed_sizes(1024, 8) == suites.skewed_sizes(1024, 8, empty=0)
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match="empty must be"):
+            suites.skewed_sizes(1024, 8, empty=bad)
+
+
+def test_dgrad_data_is_the_transposed_weight_quantised():
+    """B of dgrad is W^T [K_in, N_out] in 128x128 blocks: the same bits as quantising W^T
+    itself; the reference is dY . W on the dequantised inputs."""
+    case = Case("t", "dgrad", 40, 200, 320)  # dX [40, 200] = dY [40, 320] . W [320, 200]
+    data = impls.make_data(case, torch.device("cpu"))
+    assert data.a.shape == (40, 320) and data.b.shape == (200, 320)
+    assert data.x.shape == (40, 320) and data.w.shape == (200, 320)  # dY and W^T
+    q, s = impls._quant_blocks(data.w)
+    assert torch.equal(q.view(torch.uint8), data.b.view(torch.uint8)) and torch.equal(s, data.sb)
+    ref = impls.reference_output(data)
+    from fp8gemm.backends.reference import dequantize
+    from fp8gemm.problem import Recipe
+
+    want = (dequantize(data.a, data.sa, Recipe.GROUP, torch.float64)
+            @ dequantize(data.b, data.sb, Recipe.BLOCK, torch.float64).T)
+    assert ref.shape == (40, 200) and torch.allclose(ref, want)
+
+
+def test_cublas_loop_leaves_empty_experts_at_zero(monkeypatch):
+    """The per-expert cuBLAS loop calls cuBLAS only for experts with tokens (it takes no
+    K = 0); a float matmul stands in for cuBLAS and the sm_90 check here."""
+    calls = []
+
+    def mm_way(way):
+        def prepare(a, sa, b, sb):
+            return a, sa, b, sb
+
+        def mm(a, sa, b, sb):
+            calls.append(a.shape[1])
+            da, db = impls._dequant(a, sa, b, sb, torch.float32, impls.Recipe.GROUP)
+            return da @ db.T
+        return prepare, mm
+
+    monkeypatch.setattr(impls, "_cublas_sm90", lambda data, what: None)
+    monkeypatch.setattr(impls, "_wgrad_way", lambda device: "stand-in")
+    monkeypatch.setattr(impls, "_wgrad_mm", mm_way)
+    case = Case("backward-skewed", "k_grouped_wgrad", 64, 128, 256, 4, (0, 384, 0, 640))
+    data = impls.make_data(case, torch.device("cpu"))
+    made = impls.make_impl("cublas-block-loop", data)
+    assert calls == [384, 640] and "the 2 without are zeros" in made.note
+    out = made.output()
+    assert out.shape == (4, 64, 128) and not out[0].any() and not out[2].any()
+    from fp8gemm.quant import calc_diff
+
+    assert calc_diff(out, impls.reference_output(data)) < 1e-6
+
+
+def _sweep_doc():
+    """m-sweep rows of two N x K at three M, three impls (no baseline for one N x K)."""
+    rows = []
+    for n, k in ((256, 512), (384, 256)):
+        for m in (1, 64, 192):
+            case = Case("m-sweep", "dense", m, n, k)
+            for impl, times in (("fp8gemm-cuda", 1.5), ("cublas-block", 2.0), ("deepgemm", 3.0)):
+                if impl == "cublas-block" and n == 384:
+                    continue
+                us = case.floor_us * times * (2 if m == 192 else 1)
+                rows.append(report.make_row("m-sweep", "dense", case.shape, impl, us, us + 5,
+                                            timing.tflops(case.flops, us),
+                                            timing.gbs(case.min_bytes, us), 1e-6))
+    rows.append(_row(m=4096, impl="cublas-block", us=120.0))
+    rows.append(_row(m=4096, impl="fp8gemm-cuda", us=100.0))
+    return report.make_doc(META, rows)
+
+
+def test_sweep_markdown_has_the_floor_and_time_over_floor():
+    doc = _sweep_doc()
+    text = report.markdown([("run", doc)])
+    floor = Case("m-sweep", "dense", 64, 256, 512).floor_us
+    head = ("| M×N×K | floor µs | fp8gemm-cuda µs / floor | cublas-block µs / floor "
+            "| deepgemm µs / floor |")
+    assert head in text
+    assert f"| 64x256x512 | {floor:.1f} | 1.50 | 2.00 | 3.00 |" in text
+    floor = Case("m-sweep", "dense", 192, 256, 512).floor_us
+    assert f"| 192x256x512 | {floor:.1f} | 3.00 |" in text
+    assert "| 1x384x256 | 4.0 | 1.50 | — | 3.00 |" in text  # no cublas-block there
+    # the summary: per N x K the geomean over M <= 128, then over every M
+    summary = report.summary_markdown(doc)
+    g = 2 ** (1 / 3)  # (1, 1, 2) ** (1/3): M = 192 takes twice as long
+    assert (f"| 256x512 | 1.50 / {1.5 * g:.2f} | 2.00 / {2 * g:.2f} | 3.00 / {3 * g:.2f} |"
+            in summary)
+    assert (f"| all N×K | 1.50 / {1.5 * g:.2f} | 2.00 / {2 * g:.2f} | 3.00 / {3 * g:.2f} |"
+            in summary)
+    assert "µs / floor" not in report.summary_markdown(report.make_doc(META, _synthetic_rows()))
+    assert "4.25 TB/s + 4 µs" in report.method_text()
+
+
+def test_plot_panels_sweep_lines_and_other_bars(tmp_path):
+    doc = _sweep_doc()
+    bars, lines = report.plot_panels(doc["rows"])
+    assert [(s, o) for s, o, _ in bars] == [("deepseek-dense", "dense")]
+    assert [(s, o, nk) for s, o, nk, _ in lines] == [("m-sweep", "dense", (256, 512)),
+                                                     ("m-sweep", "dense", (384, 256))]
+    assert all(len(idx) == 3 * 3 for *_, nk, idx in lines if nk == (256, 512))
+    sweep_only = report.make_doc(META, [r for r in doc["rows"] if r["suite"] == "m-sweep"])
+    assert report.plot_panels(sweep_only["rows"])[0] == []  # no baseline needed for lines
+    why = report.plot(sweep_only, tmp_path / "s.png")
+    if why is None:
+        assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "matplotlib" in why
+    assert "no plot" in report.plot(report.make_doc(META, []), tmp_path / "e.png")
+
+
+def test_plot_is_written_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert report.plot(_sweep_doc(), tmp_path / "p.png") is None
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_and_backward_on_cpu_json_markdown_and_plot(tmp_path, capsys):
+    """Tiny m-sweep and backward cases through the runner on the CPU (reference backend,
+    torch's bf16 matmul), then the result file through --from-json to markdown and a plot."""
+    cpu = torch.device("cpu")
+    cases = [Case("m-sweep", "dense", m, 256, 384) for m in (1, 24, 192)]
+    cases += [Case("backward", "wgrad", 128, 256, 1000), Case("backward", "dgrad", 200, 256, 384),
+              Case("backward", "k_grouped_wgrad", 64, 128, 256, 2),
+              Case("backward-skewed", "k_grouped_wgrad", 64, 128, 256, 4, (0, 384, 0, 640))]
+    res = run_cases(cases, ["fp8gemm-reference", "torch-bf16", "cublas-block",
+                            "cublas-block-loop", "deepgemm"], cpu, 30, timer=_StandInTimer(),
+                    log=lambda s: None)
+    assert res.aborted is None
+    got = {(r["suite"], r["op"], r["shape"]["m"], r["impl"]): r for r in res.rows}
+    want = {("m-sweep", "dense", m, i) for m in (1, 24, 192)
+            for i in ("fp8gemm-reference", "torch-bf16")}
+    want |= {("backward", "wgrad", 128, "fp8gemm-reference"),
+             ("backward", "dgrad", 200, "fp8gemm-reference"),
+             ("backward", "dgrad", 200, "torch-bf16"),
+             ("backward", "k_grouped_wgrad", 64, "fp8gemm-reference"),
+             ("backward-skewed", "k_grouped_wgrad", 64, "fp8gemm-reference")}
+    assert set(got) == want
+    for key, r in got.items():
+        limit = TOL[torch.bfloat16] if key[3].startswith("fp8gemm") else BENCH_PEER_TOL[key[3]]
+        assert r["diff"] is not None and r["diff"] < limit, (key, r["diff"])
+    skipped = {(case.split("/")[1].split()[0], impl): why for case, impl, why in res.skips}
+    assert "K % 16" in skipped[("wgrad", "cublas-block")]  # cuBLAS refuses K = 1000
+    assert "sm_90" in skipped[("dgrad", "cublas-block")]
+    path = tmp_path / "cpu.json"
+    report.write_json(path, report.make_doc(META, res.rows))
+    md, png = tmp_path / "out" / "cpu.md", tmp_path / "plots" / "cpu.png"
+    md.parent.mkdir()
+    assert bench_main(["--from-json", str(path), "--markdown", str(md), "--plot", str(png)]) == 0
+    text = md.read_text()
+    assert "m-sweep / dense: µs / floor" in text and "24x256x384" in text
+    assert "backward / dgrad" in text and "200x256x384" in text
+    assert "backward-skewed / k_grouped_wgrad" in text
+    assert "geometric mean of µs / floor" in text
+    if png.exists():  # matplotlib there: the plot is written and the markdown links it
+        assert png.read_bytes()[:4] == b"\x89PNG" and "](../plots/cpu.png)" in text
+    else:
+        assert "matplotlib" in capsys.readouterr().out and "![" not in text
+
+
+def test_dry_run_of_the_quick_sweep_and_backward(capsys):
+    assert bench_main(["--dry-run", "--suite", "m-sweep", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{len(suites.suite_cases('m-sweep', True))} cases")
+    assert "192x7168x2048" in out and "24x7168x2048" not in out
+    assert bench_main(["--dry-run", "--suite", "backward"]) == 0
+    out = capsys.readouterr().out
+    assert "dgrad      1000x7168x2112" in out and "cublas-block-loop" in out
+    assert "8xmean 4096 tokens (2 with none), 4096x7168" in out
+
+
+def test_benchmarks_page_shows_backward_and_the_sweep_floor():
+    rows = _sweep_doc()["rows"]
+    rows += [_row("backward", "dgrad", 4096, 7168, 2112, impl="cublas-block", us=80.0),
+             _row("backward", "dgrad", 4096, 7168, 2112, impl="fp8gemm-cuda", us=64.0)]
+    text = report.page_markdown([("results/h.json", report.make_doc(META, rows), None)], [])
+    assert "backward / dgrad: device µs" in text and "64.0 (1.25×)" in text
+    assert "m-sweep / dense: geometric mean of µs / floor" in text
+    assert "m-sweep / dense: device µs" not in text  # its 90 shapes stay in the result file
+
+
+def test_problems_asked_of_the_backends():
+    """What `supports` is asked: wgrad a dense 1x128 x 1x128 GEMM with fp32 out and c, the
+    k-grouped wgrad the k-grouped kind over every expert's tokens, dgrad the forward GEMM."""
+    from fp8gemm.problem import GemmKind, Recipe
+
+    cpu = torch.device("cpu")
+    w = impls._problem(impls.make_data(Case("t", "wgrad", 256, 384, 1000), cpu))
+    assert (w.kind, w.m, w.n, w.k, w.b_recipe, w.out_dtype, w.has_c) == (
+        GemmKind.DENSE, 256, 384, 1000, Recipe.GROUP, torch.float32, True)
+    kg = impls._problem(impls.make_data(Case("t", "k_grouped_wgrad", 64, 128, 256, 3,
+                                             (0, 512, 256)), cpu))
+    assert (kg.kind, kg.m, kg.n, kg.k, kg.groups) == (GemmKind.K_GROUPED, 64, 128, 768, 3)
+    d = impls._problem(impls.make_data(Case("t", "dgrad", 1000, 384, 512), cpu))
+    assert (d.kind, d.m, d.n, d.k, d.b_recipe, d.out_dtype) == (
+        GemmKind.DENSE, 1000, 384, 512, Recipe.BLOCK, torch.bfloat16)

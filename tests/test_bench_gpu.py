@@ -68,6 +68,8 @@ def test_new_ops_and_peers_are_correct_at_small_shapes():
     sizes = skewed_sizes(600, 4)
     cases = [Case("t", "wgrad", 256, 384, 640), Case("t", "wgrad", 256, 384, 1000),
              Case("t", "k_grouped_wgrad", 256, 384, 256, 2, (128, 384)),
+             Case("t", "k_grouped_wgrad", 256, 384, 384, 3, (0, 768, 384)),  # an empty expert
+             Case("t", "dgrad", 1000, 384, 512),
              Case("t", "contiguous", 150, 256, 512, 4, sizes),
              Case("t", "offsets", 150, 256, 512, 4, sizes),
              Case("t", "masked", 40, 256, 512, 3, skewed_sizes(120, 3)),
@@ -79,9 +81,12 @@ def test_new_ops_and_peers_are_correct_at_small_shapes():
     ran = {(r["op"], r["shape"]["k"], r["impl"]) for r in res.rows}
     assert ("wgrad", 640, "cublas-block") in ran, res.skips
     assert ("k_grouped_wgrad", 256, "cublas-block-loop") in ran, res.skips
+    assert ("k_grouped_wgrad", 384, "cublas-block-loop") in ran, res.skips
+    assert ("dgrad", 512, "cublas-block") in ran, res.skips
+    assert ("wgrad", 1000, "cublas-block") not in ran  # cuBLAS takes no K % 16 != 0
     if _deep_gemm_importable():
-        for op, k in (("wgrad", 640), ("k_grouped_wgrad", 256), ("contiguous", 512),
-                      ("masked", 512), ("dense", 512)):
+        for op, k in (("wgrad", 640), ("k_grouped_wgrad", 256), ("k_grouped_wgrad", 384),
+                      ("contiguous", 512), ("masked", 512), ("dense", 512), ("dgrad", 512)):
             assert (op, k, "deepgemm") in ran, res.skips
     for r in res.rows:
         exact = r["impl"].startswith("fp8gemm") or r["impl"] in ("cublas-block",

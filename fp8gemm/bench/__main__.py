@@ -4,12 +4,14 @@ Every available fp8gemm backend (fp8gemm-cuda, fp8gemm-triton) and the peers (cu
 cublas-tensor, cublas-rowwise-grouped, cublas-block-loop, torch-bf16, and deepgemm when
 `import deep_gemm` works: put DeepGEMM's package directory on PYTHONPATH) are timed on each shape
 of the chosen suites; implementations that cannot run are skipped with the reason shown. Suites:
-deepseek-dense, deepseek-grouped, irregular, m-sweep (M = 1 ... 256, with the small-M floor),
-moe-skewed (skewed expert loads), deepseek-backward (wgrad, k-grouped wgrad) and moe-layer (a
+deepseek-dense, deepseek-grouped, irregular, m-sweep (M = 1 ... 256 against the memory floor),
+moe-skewed (skewed expert loads), backward (wgrad, dgrad, k-grouped wgrad) and moe-layer (a
 DeepSeek-V3 expert layer, prefill and decode). Prints one line per measurement, then markdown
-tables (detailed, then the summary with ratios over the baseline peer and geometric means) last.
+tables (detailed, then the summary with ratios over the baseline peer and geometric means) last;
+with both --markdown and --plot the markdown links the plot.
 
   python -m fp8gemm.bench --suite deepseek-dense --json out.json --markdown out.md --plot out.png
+  python -m fp8gemm.bench --suite m-sweep --quick         # fewer M, 30 timed runs
   python -m fp8gemm.bench --dry-run                       # list the shapes, no GPU needed
   python -m fp8gemm.bench --from-json a.json --markdown a.md --plot a.png   # no GPU needed
 """
@@ -17,6 +19,7 @@ tables (detailed, then the summary with ratios over the baseline peer and geomet
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", metavar="PATH", help="write the markdown tables")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     p.add_argument("--quick", action="store_true",
-                   help=f"{MIN_DEVICE_RUNS} timed runs instead of {_RUNS}, fewer irregular shapes")
+                   help=f"{MIN_DEVICE_RUNS} timed runs instead of {_RUNS}; fewer irregular "
+                   "shapes, m-sweep M values and backward N x K")
     p.add_argument("--runs", type=int, default=None,
                    help=f"timed runs per measurement (median; at least {MIN_DEVICE_RUNS})")
     p.add_argument("--seed", type=int, default=0, help="random input seed")
@@ -93,17 +97,27 @@ def _from_json(args) -> int:
             notes = list(dict.fromkeys(notes))
         except OSError as e:
             notes.append(f"notes file {path} unreadable: {e}")
-    text = markdown(docs, title="fp8gemm benchmarks", notes=notes)
+    image = _plot(docs[-1][1], args)
+    text = markdown(docs, title="fp8gemm benchmarks", notes=notes, image=image)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
-    if args.plot:
-        why = plot(docs[-1][1], args.plot)
-        if why:
-            print(why)
-    if not args.markdown:
+    else:
         print(text)
     return 0
+
+
+def _plot(doc: dict, args) -> str | None:
+    """Write --plot; the plot's path relative to --markdown's folder when both are written."""
+    if not args.plot:
+        return None
+    why = plot(doc, args.plot)
+    if why:
+        print(why)
+        return None
+    if not args.markdown:
+        return None
+    return os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.markdown)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,14 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.notes or []:
         with open(path, "w") as f:
             f.write("".join(n + "\n" for n in notes))
-    text = markdown([(f"{meta['gpu']}, {meta['date']}", doc)], notes=notes)
+    image = _plot(doc, args)
+    text = markdown([(f"{meta['gpu']}, {meta['date']}", doc)], notes=notes, image=image)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
-    if args.plot:
-        why = plot(doc, args.plot)
-        if why:
-            print(why)
     print("\n" + text, flush=True)
     return 1 if res.aborted or not res.rows else 0
 

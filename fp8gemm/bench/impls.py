@@ -7,8 +7,9 @@ Implementations (the `impl` names of the result files):
 - cublas-block: cuBLAS through PyTorch with 1x128 A scales and 128x128 B scales, the same
   recipe as fp8gemm (`torch.nn.functional.scaled_mm` with B's scales padded to a multiple of 4
   along K/128; plain `torch._scaled_mm` only where the former is missing); for wgrad 1x128
-  scales on both operands and fp32 out.
-- cublas-block-loop: the same cuBLAS call once per expert (k_grouped_wgrad).
+  scales on both operands and fp32 out (skipped where K % 16 != 0, which cuBLAS refuses).
+- cublas-block-loop: the wgrad cuBLAS call once per expert (k_grouped_wgrad; experts with no
+  token are left at zero, as cuBLAS takes no K = 0).
 - cublas-tensor: per-tensor `torch._scaled_mm`, the no-scaling ceiling (its inputs are quantised
   per tensor, so its diff includes that quantisation's error).
 - cublas-rowwise-grouped: `torch._scaled_grouped_mm` with per-row scales (contiguous, offsets:
@@ -41,7 +42,7 @@ from ..backends import get_backend, load_error
 from ..backends.reference import dequantize
 from ..layout import CONTIGUOUS_M_ALIGNMENT, get_col_major_tma_aligned_tensor
 from ..problem import GemmKind, GemmProblem, Recipe
-from .suites import MOE_LAYER, Case
+from .suites import DENSE_LIKE_OPS, MOE_LAYER, OPS, Case
 
 __all__ = ["Skip", "Impl", "CaseData", "make_data", "make_impl", "reference_output",
            "FP8GEMM_IMPLS", "PEER_IMPLS", "ALL_IMPLS", "DEFAULT_IMPLS", "REFERENCE_MAX_FLOPS",
@@ -61,17 +62,17 @@ DEEPGEMM_BUSY_US = 500.0
 # moe_layer at up to this many tokens is decode: captured in a CUDA graph and replayed.
 GRAPH_MAX_TOKENS = 128
 
-_ALL_OPS = ("dense", "contiguous", "offsets", "masked", "wgrad", "k_grouped_wgrad", "moe_layer")
 _OPS_OF = {
-    "fp8gemm-cuda": _ALL_OPS,
-    "fp8gemm-triton": _ALL_OPS,
-    "fp8gemm-reference": _ALL_OPS,
-    "cublas-block": ("dense", "wgrad"),
-    "cublas-tensor": ("dense",),
+    "fp8gemm-cuda": OPS,
+    "fp8gemm-triton": OPS,
+    "fp8gemm-reference": OPS,
+    "cublas-block": ("dense", "dgrad", "wgrad"),
+    "cublas-tensor": ("dense", "dgrad"),
     "cublas-rowwise-grouped": ("contiguous", "offsets", "masked"),
     "cublas-block-loop": ("k_grouped_wgrad",),
-    "torch-bf16": ("dense", "contiguous", "offsets", "masked", "moe_layer"),
-    "deepgemm": ("dense", "contiguous", "masked", "wgrad", "k_grouped_wgrad", "moe_layer"),
+    "torch-bf16": ("dense", "dgrad", "contiguous", "offsets", "masked", "moe_layer"),
+    "deepgemm": ("dense", "dgrad", "contiguous", "masked", "wgrad", "k_grouped_wgrad",
+                 "moe_layer"),
 }
 
 _E4M3, _E4M3_MAX = torch.float8_e4m3fn, 448.0
@@ -170,7 +171,8 @@ class CaseData:
     block (per 1x128 group for wgrad and k_grouped_wgrad).
 
     a, sa, b, sb are what fp8gemm's op takes, sa column-major with M padded to 16 bytes:
-    dense, wgrad: a [M, K], b [N, K] (wgrad: sb [N, ceil(K/128)], column-major like sa);
+    dense, wgrad, dgrad: a [M, K], b [N, K] (wgrad: sb [N, ceil(K/128)], column-major like sa;
+    dgrad: x = dY [T, N_out], w = W^T [K_in, N_out], b its fp8 copy with 128x128 scales);
     contiguous: a [R, K], each group padded to 128 rows (padding rows zero, m_indices -1);
     offsets: a [T, K], the data rows alone, with offsets [G + 1]; masked: a [G, mmax, K] with
     masked_m [G]; k_grouped_wgrad: a and b flat, expert after expert (A_g [M, K_g] and
@@ -225,6 +227,8 @@ def make_data(case: Case, device: torch.device, seed: int = 0) -> CaseData:
         return _moe_data(c, device, g)
     if c.op == "k_grouped_wgrad":
         return _k_grouped_data(c, rand)
+    if c.op == "dgrad":
+        return _dgrad_data(c, rand)
     if c.op in ("dense", "wgrad"):
         x, w = rand(c.m, c.k), rand(c.n, c.k)
         a, sa = _quant_groups(x)
@@ -263,6 +267,19 @@ def make_data(case: Case, device: torch.device, seed: int = 0) -> CaseData:
         data.a, data.sa = ap.view(a.dtype), get_col_major_tma_aligned_tensor(sap)
         data.m_indices, data.rows = m_indices, rows
     return data
+
+
+def _dgrad_data(c: Case, rand) -> CaseData:
+    """dX [T, K_in] = dY [T, N_out] . W [N_out, K_in]: A = dY in 1x128 groups along N_out, and
+    B = W^T [K_in, N_out] K-major in 128x128 blocks. The 128x128 blocks of W^T are those of W
+    transposed, with the same amax: quantising W^T gives exactly W's fp8 values and scales,
+    transposed (and laid out K-major for the GEMM, as a quantise-and-transpose kernel would)."""
+    dy, w = rand(c.m, c.k), rand(c.k, c.n)
+    q, s = _quant_blocks(w)
+    b = q.view(torch.uint8).t().contiguous().view(q.dtype)
+    a, sa = _quant_groups(dy)
+    return CaseData(c, dy, w.t().contiguous(), a, get_col_major_tma_aligned_tensor(sa), b,
+                    s.t().contiguous())
 
 
 def _k_grouped_data(c: Case, rand) -> CaseData:
@@ -327,7 +344,7 @@ def reference_output(data: CaseData, dtype: torch.dtype = torch.float64) -> torc
     c = data.case
     if c.op == "moe_layer":
         return _moe_reference(data.moe, dtype)
-    if c.op in ("dense", "wgrad"):
+    if c.op in ("dense", "dgrad", "wgrad"):
         rb = Recipe.GROUP if c.op == "wgrad" else Recipe.BLOCK
         da, db = _dequant(data.a, data.sa, data.b, data.sb, dtype, rb)
         return da @ db.T
@@ -373,7 +390,7 @@ def _bf16_operands(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
     a, sa = (data.a_rows, data.sa_rows) if data.a_rows is not None else (data.a, data.sa)
     da = dequantize(a.reshape(-1, c.k), sa.reshape(-1, sa.shape[-1]),
                     Recipe.GROUP).to(torch.bfloat16).reshape(a.shape)
-    if c.op == "dense":
+    if c.op in DENSE_LIKE_OPS:
         db = dequantize(data.b, data.sb, Recipe.BLOCK).to(torch.bfloat16)
     else:
         db = torch.stack([dequantize(data.b[g], data.sb[g], Recipe.BLOCK)
@@ -388,10 +405,11 @@ def _bf16_operands(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
 def _problem(data: CaseData) -> GemmProblem:
     c = data.case
     if c.op in ("wgrad", "k_grouped_wgrad"):
-        k = max(c.group_sizes) if c.op == "k_grouped_wgrad" else c.k  # (the loop's longest K)
-        return GemmProblem(GemmKind.DENSE, c.m, c.n, k, 1, _E4M3, _E4M3, Recipe.GROUP,
-                           Recipe.GROUP, torch.float32, has_c=True)
-    kind = {"dense": GemmKind.DENSE, "contiguous": GemmKind.CONTIGUOUS,
+        kind, k, groups = ((GemmKind.K_GROUPED, sum(c.group_sizes), c.groups)
+                           if c.op == "k_grouped_wgrad" else (GemmKind.DENSE, c.k, 1))
+        return GemmProblem(kind, c.m, c.n, k, groups, _E4M3, _E4M3, Recipe.GROUP, Recipe.GROUP,
+                           torch.float32, has_c=True)
+    kind = {"dense": GemmKind.DENSE, "dgrad": GemmKind.DENSE, "contiguous": GemmKind.CONTIGUOUS,
             "offsets": GemmKind.OFFSETS, "masked": GemmKind.MASKED}[c.op]
     rows = c.mmax if c.op == "masked" else data.a.shape[0]
     return GemmProblem(kind, rows, c.n, c.k, c.groups, _E4M3, _E4M3, Recipe.GROUP, Recipe.BLOCK,
@@ -421,9 +439,11 @@ def _fp8gemm(impl: str, data: CaseData) -> Impl:
     a, b = (data.a, data.sa), (data.b, data.sb)
     dev, bf16 = data.a.device, torch.bfloat16
     note = ""
-    if c.op == "dense":
+    if c.op in DENSE_LIKE_OPS:
         out = torch.empty(c.m, c.n, device=dev, dtype=bf16)
         fn = lambda: fp8gemm.fp8_gemm_nt(a, b, out, backend=name)  # noqa: E731
+        if c.op == "dgrad":
+            note = "fp8_gemm_nt(dY, W^T): the forward GEMM on the transposed weight"
     elif c.op == "wgrad":
         out = torch.zeros(c.m, c.n, device=dev, dtype=torch.float32)
         fn = lambda: fp8gemm.fp8_gemm_nt(a, b, out, c=out, backend=name)  # noqa: E731
@@ -444,38 +464,21 @@ def _fp8gemm(impl: str, data: CaseData) -> Impl:
 
 
 def _fp8gemm_k_grouped(impl: str, name: str, data: CaseData) -> Impl:
-    """The public k-grouped op when fp8gemm has it, else one fp8_gemm_nt per expert (said in
-    the note: a loop of launches, not one kernel)."""
-    import inspect
-
+    """The public k-grouped op: every expert's weight gradient in one call."""
     import fp8gemm
 
     c = data.case
     out = torch.zeros(c.groups, c.m, c.n, device=data.a.device, dtype=torch.float32)
-    op = getattr(fp8gemm, "k_grouped_fp8_gemm_nt_contiguous", None)
-    if op is not None:
-        ks = torch.tensor(c.group_sizes, device=data.a.device, dtype=torch.int32)
-        kwargs = {"backend": name} if "backend" in inspect.signature(op).parameters else {}
-        # NOTE: the op takes the experts side by side along K, A [M, sum K_g] (what transposing
-        # the token-major activations gives), made here outside the timed call; its scales
-        # [M, sum ceil(K_g/128)] are the transposed [sum kb, M] ones (column-major views).
-        a = (_k_cat([e[0] for e in data.experts]), data.sa.t())
-        b = (_k_cat([e[2] for e in data.experts]), data.sb.t())
-        fn = lambda: op(a, b, out, ks, c=out, **kwargs)  # noqa: E731
-        note = ("k_grouped_fp8_gemm_nt_contiguous, out += A_g . B_g^T, A [M, sum K_g]"
-                + ("" if kwargs else "; the op picks its backend"))
-        return Impl(impl, fn, lambda: out, note=note)
-    outs = [out[g] for g in range(c.groups)]
-    calls = [((a_g, sa_g), (b_g, sb_g), o)
-             for (a_g, sa_g, b_g, sb_g), o in zip(data.experts, outs)]
-
-    def fn():
-        for a, b, o in calls:
-            fp8gemm.fp8_gemm_nt(a, b, o, c=o, backend=name)
-
+    ks = torch.tensor(c.group_sizes, device=data.a.device, dtype=torch.int32)
+    # NOTE: the op takes the experts side by side along K, A [M, sum K_g] (what transposing the
+    # token-major activations gives), made here outside the timed call; its scales
+    # [M, sum ceil(K_g/128)] are the transposed [sum kb, M] ones (column-major views).
+    a = (_k_cat([e[0] for e in data.experts]), data.sa.t())
+    b = (_k_cat([e[2] for e in data.experts]), data.sb.t())
+    fn = lambda: fp8gemm.k_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
+        a, b, out, ks, c=out, backend=name)
     return Impl(impl, fn, lambda: out,
-                note="a loop of fp8_gemm_nt, one call per expert (fp8gemm has no "
-                "k_grouped_fp8_gemm_nt_contiguous yet); out[g] += A_g . B_g^T")
+                note="k_grouped_fp8_gemm_nt_contiguous, out += A_g . B_g^T, A [M, sum K_g]")
 
 
 def _k_cat(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -683,15 +686,18 @@ def _cublas_block_loop(data: CaseData) -> Impl:
     _cublas_sm90(data, "1x128 x 1x128")
     way = _wgrad_way(data.a.device)
     prepare, mm = _wgrad_mm(way)
-    calls = [prepare(*e) for e in data.experts]
-    holder: list = [None] * len(calls)
+    holder = [torch.zeros(c.m, c.n, device=data.a.device, dtype=torch.float32)
+              for _ in data.experts]
+    calls = [(g, prepare(*e)) for g, e in enumerate(data.experts) if e[0].shape[1]]
 
     def fn():
-        for g, args in enumerate(calls):
+        for g, args in calls:
             holder[g] = mm(*args)
 
+    empty = c.groups - len(calls)
     return Impl("cublas-block-loop", fn, lambda: torch.stack(holder),
-                note=f"{way}, one call per expert")
+                note=f"{way}, one call per expert"
+                + (f" with tokens (the {empty} without are zeros)" if empty else ""))
 
 
 def _cublas_tensor(data: CaseData) -> Impl:
@@ -742,7 +748,7 @@ def _torch_bf16(data: CaseData) -> Impl:
     if c.op == "moe_layer":
         return _bf16_moe_layer(data)
     da, db = _bf16_operands(data)
-    if c.op == "dense":
+    if c.op in DENSE_LIKE_OPS:
         out = torch.empty(c.m, c.n, device=da.device, dtype=torch.bfloat16)
         fn = lambda: torch.mm(da, db.t(), out=out)  # noqa: E731
         return Impl("torch-bf16", fn, lambda: out, note="torch.mm")
@@ -789,7 +795,7 @@ def _deepgemm(data: CaseData) -> Impl:
     a, b = (data.a, sa), (data.b, data.sb)
     dev, bf16 = data.a.device, torch.bfloat16
     note = ""
-    if c.op == "dense":
+    if c.op in DENSE_LIKE_OPS:
         out = torch.empty(c.m, c.n, device=dev, dtype=bf16)
         fn = lambda: dg.gemm_fp8_fp8_bf16_nt(a, b, out)  # noqa: E731
     elif c.op == "contiguous":

@@ -1,5 +1,6 @@
 """Result files and what is made from them: the JSON form below, markdown tables with ratios and
-geometric means, a PNG plot, the compact history of past runs and the BENCHMARKS.md page.
+geometric means, time over the memory floor (m-sweep), a PNG plot, the compact history of past
+runs and the BENCHMARKS.md page.
 
     {"meta": {"gpu", "clocks", "torch", "triton", "cuda", "commit", "date"},
      "rows": [{"suite", "op", "shape": {"m", "n", "k", "groups"}, "impl",
@@ -22,14 +23,15 @@ import subprocess
 from collections import defaultdict
 from pathlib import Path
 
-from .suites import BASELINE, Case
+from .suites import (BASELINE, DENSE_LIKE_OPS, FLOOR_BYTES_PER_US, FLOOR_FIXED_US, MOE_LAYER,
+                     Case)
 from .timing import MIN_DEVICE_RUNS, geomean
 
 __all__ = ["META_KEYS", "ROW_KEYS", "SHAPE_KEYS", "IMPL_ORDER", "read_clocks", "make_meta",
            "is_wrong", "make_row", "make_doc", "validate_doc", "write_json", "load_json", "ratios",
-           "geomeans", "method_text", "markdown", "summary_markdown", "HISTORY_KEYS",
-           "history_entry", "load_history", "write_history", "history_markdown", "page_markdown",
-           "plot"]
+           "geomeans", "floor_us", "FLOOR_SUITES", "method_text", "markdown", "summary_markdown",
+           "HISTORY_KEYS", "history_entry", "load_history", "write_history", "history_markdown",
+           "page_markdown", "plot", "plot_panels"]
 
 META_KEYS = ("gpu", "clocks", "torch", "triton", "cuda", "commit", "date")
 ROW_KEYS = ("suite", "op", "shape", "impl", "us", "eager_us", "tflops", "gbs", "diff")
@@ -38,8 +40,9 @@ IMPL_ORDER = ("fp8gemm-cuda", "fp8gemm-triton", "fp8gemm-reference", "cublas-blo
               "cublas-tensor", "cublas-rowwise-grouped", "cublas-block-loop", "torch-bf16",
               "deepgemm")
 _SUITE_ORDER = ("deepseek-dense", "deepseek-grouped", "irregular", "m-sweep", "moe-skewed",
-                "deepseek-backward", "moe-layer")
-_OP_ORDER = ("dense", "contiguous", "offsets", "masked", "wgrad", "k_grouped_wgrad", "moe_layer")
+                "backward", "backward-skewed", "moe-layer")
+_OP_ORDER = ("dense", "contiguous", "offsets", "masked", "wgrad", "dgrad", "k_grouped_wgrad",
+             "moe_layer")
 # M buckets of the per-range geometric means: decode-sized and prefill-sized.
 _SMALL_M = 128
 
@@ -226,7 +229,7 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def _label(op: str, shape: tuple) -> str:
     m, n, k, g = shape
-    return f"{m}x{n}x{k}" if op in ("dense", "wgrad") else f"{g}x{m}, {n}x{k}"
+    return f"{m}x{n}x{k}" if op in DENSE_LIKE_OPS + ("wgrad",) else f"{g}x{m}, {n}x{k}"
 
 
 def _table(header: list[str], body: list[list[str]], align: list[str] | None = None) -> str:
@@ -282,7 +285,7 @@ def _detailed(rows: list[dict], suite: str, op: str, indices: list[int], rat: di
     for i in sorted(indices, key=lambda i: (order[_shape_key(rows[i])],
                                             _order(rows[i]["impl"], IMPL_ORDER))):
         r = rows[i]
-        floor = _floor_us(r)
+        floor = floor_us(r)
         body.append([_label(op, _shape_key(r)), r["impl"], _fmt(r["us"], ".1f"),
                      _fmt(r["eager_us"], ".1f"), _fmt(r["tflops"], ".0f"), _fmt(r["gbs"], ".0f"),
                      _fmt(r["diff"], ".1e") + (" WRONG" if is_wrong(r) else ""),
@@ -293,21 +296,68 @@ def _detailed(rows: list[dict], suite: str, op: str, indices: list[int], rat: di
                       f"× {base}", "µs / floor"], body, ["---", "---"] + ["---:"] * 7))
 
 
-# A floor for small-M GEMMs on the H200: bytes / 4.25 TB/s (its measured device-copy bandwidth,
-# read + write, at 2 GB) + 4 us (an almost-empty kernel timed by this method).
-_COPY_BYTES_PER_US = 4.25e6
-_EMPTY_KERNEL_US = 4.0
+# Suites whose every shape is judged against the memory floor (their own tables and plot).
+FLOOR_SUITES = ("m-sweep",)
 
 
-def _floor_us(r: dict) -> float | None:
-    """The small-M floor of a row's problem (M per group <= 128 only, where larger M is
-    compute-bound and the floor says nothing; at every M of the m-sweep suite, which studies
-    the approach to it)."""
+def floor_us(r: dict) -> float | None:
+    """The memory floor of a row's problem (`Case.floor_us`), for M per group <= 128 (larger M
+    is compute-bound and the floor says nothing) and at every M of FLOOR_SUITES, which study
+    the approach to it; else None."""
     s = r["shape"]
-    if s["m"] > _SMALL_M and r["suite"] != "m-sweep":
+    if s["m"] > _SMALL_M and r["suite"] not in FLOOR_SUITES:
         return None
-    case = Case(r["suite"], r["op"], s["m"], s["n"], s["k"], s["groups"])
-    return case.min_bytes / _COPY_BYTES_PER_US + _EMPTY_KERNEL_US
+    return Case(r["suite"], r["op"], s["m"], s["n"], s["k"], s["groups"]).floor_us
+
+
+def _by_nk(rows: list[dict], indices: list[int]) -> dict[tuple[int, int], list[int]]:
+    """{(N, K): row indices}, N x K in the order measured."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for i in indices:
+        out.setdefault((rows[i]["shape"]["n"], rows[i]["shape"]["k"]), []).append(i)
+    return out
+
+
+def _floor_detail(rows: list[dict], suite: str, op: str, indices: list[int]) -> str:
+    """Shapes down: the floor, then each impl's µs / floor."""
+    impls = _impls(rows, indices)
+    cell = {(_shape_key(rows[i]), rows[i]["impl"]): i for i in indices}
+    first = {}
+    for i in indices:
+        first.setdefault(_shape_key(rows[i]), i)
+    body = []
+    for s in _shapes(rows, indices):
+        floor = floor_us(rows[first[s]])
+        line = [_label(op, s), f"{floor:.1f}"]
+        for impl in impls:
+            i = cell.get((s, impl))
+            line.append("—" if i is None else f"{rows[i]['us'] / floor:.2f}"
+                        + (" WRONG" if is_wrong(rows[i]) else ""))
+        body.append(line)
+    return (f"#### {suite} / {op}: µs / floor (floor = bytes / "
+            f"{FLOOR_BYTES_PER_US / 1e6:g} TB/s + {FLOOR_FIXED_US:g} µs)\n\n"
+            + _table(["M×N×K", "floor µs"] + [f"{x} µs / floor" for x in impls], body))
+
+
+def _floor_geomeans(rows: list[dict], suite: str, op: str, indices: list[int]) -> str:
+    """N x K down, impls across: the geometric mean of µs / floor over M <= 128 and over every
+    M (lower is better; 1 is the floor)."""
+    impls = _impls(rows, indices)
+
+    def cell(idx: list[int], impl: str) -> str:
+        xs = {rng: [rows[i]["us"] / floor_us(rows[i]) for i in idx if rows[i]["impl"] == impl
+                    and (rng == "all" or rows[i]["shape"]["m"] <= _SMALL_M)]
+              for rng in ("small", "all")}
+        if not xs["all"]:
+            return "—"
+        small = geomean(xs["small"])
+        return ("—" if small is None else f"{small:.2f}") + f" / {geomean(xs['all']):.2f}"
+
+    groups = _by_nk(rows, indices)
+    body = [[f"{n}x{k}"] + [cell(idx, x) for x in impls] for (n, k), idx in groups.items()]
+    body.append(["all N×K"] + [cell(indices, x) for x in impls])
+    return (f"#### {suite} / {op}: geometric mean of µs / floor, M<={_SMALL_M} / every M "
+            "(1 is the floor, lower is better)\n\n" + _table(["N×K"] + impls, body))
 
 
 def _wide(rows: list[dict], suite: str, op: str, indices: list[int], rat: dict) -> str:
@@ -327,7 +377,7 @@ def _wide(rows: list[dict], suite: str, op: str, indices: list[int], rat: dict) 
                 wrong = " WRONG" if is_wrong(rows[i]) else ""
                 line.append(f"{rows[i]['us']:.1f}{ratio}{wrong}")
         body.append(line)
-    head = "M×N×K" if op == "dense" else "G×M, N×K"
+    head = "M×N×K" if op in DENSE_LIKE_OPS + ("wgrad",) else "G×M, N×K"
     return (f"#### {suite} / {op}: device µs (× {BASELINE.get(op, '?')})\n\n"
             + _table([head] + impls, body))
 
@@ -353,7 +403,11 @@ def summary_markdown(doc: dict) -> str:
     """The short form: one wide table per suite and op, then the geometric means."""
     rows = doc["rows"]
     rat = ratios(rows)
-    parts = [_wide(rows, s, o, idx, rat) for s, o, idx in _sections(rows)]
+    parts = []
+    for s, o, idx in _sections(rows):
+        parts.append(_wide(rows, s, o, idx, rat))
+        if s in FLOOR_SUITES:
+            parts.append(_floor_geomeans(rows, s, o, idx))
     parts.append("#### Geometric mean of the speed-up over the baseline peer\n\n"
                  + _geomean_table(rows))
     return "\n\n".join(parts) + "\n"
@@ -365,31 +419,47 @@ def method_text() -> str:
         f"Device µs: median of >= {MIN_DEVICE_RUNS} runs, CUDA events, L2 flushed (256 MB memset) "
         "before each run, launch cost hidden behind a sleep kernel, the impls of a shape taking "
         "turns run by run. Eager µs: 50 back-to-back calls, wall clock per call. TFLOPS and GB/s "
-        "use the problem's FLOPs and fewest bytes (fp8 A and B, fp32 scales, bf16 out, each once) "
+        "use the problem's FLOPs and fewest bytes (fp8 A and B, fp32 scales, bf16 out or fp32 for "
+        "the weight gradients, each once) "
         "for every impl. diff: 1 - 2Σxy/Σ(x²+y²) against a float64 product of the dequantised "
         "inputs (cublas-tensor and cublas-rowwise-grouped quantise per tensor / per row, so their "
-        "diff includes that quantisation error; torch-bf16 includes bf16 rounding). µs / floor "
-        "(M <= 128): time over bytes / 4.25 TB/s + 4 µs, the H200's copy bandwidth and an "
-        f"almost-empty kernel. WRONG: NaN, or diff above {_WRONG_EXACT:g} "
+        "diff includes that quantisation error; torch-bf16 includes bf16 rounding). "
+        f"moe_layer: one rank's share of a DeepSeek-V3 expert layer (hidden {MOE_LAYER.hidden}, "
+        f"expert width {MOE_LAYER.width}, top-{MOE_LAYER.topk} of {MOE_LAYER.experts} experts "
+        f"over {MOE_LAYER.ranks} ranks: {MOE_LAYER.local_experts} local experts), random "
+        "routing, time per layer; its notes split it into GEMMs, quantisation and the rest. "
+        "µs / floor "
+        f"(M <= {_SMALL_M}, and every M of {', '.join(FLOOR_SUITES)}): time over the memory "
+        f"floor, bytes / {FLOOR_BYTES_PER_US / 1e6:g} TB/s + {FLOOR_FIXED_US:g} µs (the H200's "
+        "measured copy bandwidth and an almost-empty kernel timed this way). WRONG: NaN, or "
+        f"diff above {_WRONG_EXACT:g} "
         f"({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others). × = speed-up over the "
         "baseline peer of the same run: "
         + ", ".join(f"{op}: {impl}" for op, impl in BASELINE.items())
-        + ". Grouped shapes are G×M per group (moe-skewed: G×mean); deepseek-grouped masked "
-        "groups are full (masked_m = Mmax), moe-skewed draws masked_m per expert.")
+        + ". Shapes are M×N×K of D [M, N] = A [M, K] . B [N, K]^T: for a layer with weight "
+        "[N_out, K_in] at T tokens, wgrad (dW = dY^T . X, fp32 out, 1x128 scales on both) is "
+        "N_out×K_in×T and dgrad (dX = dY . W on the transposed weight) T×K_in×N_out. Grouped "
+        "shapes are G×M per group (moe-skewed: G×mean); deepseek-grouped masked groups are full "
+        "(masked_m = Mmax), moe-skewed draws masked_m per expert; k_grouped_wgrad is G×M, N×K "
+        "with K the tokens of each expert (backward-skewed: their mean; some experts get none).")
 
 
 def markdown(docs: list[tuple[str, dict]], title: str | None = None,
-             notes: list[str] | None = None) -> str:
+             notes: list[str] | None = None, image: str | None = None) -> str:
     """Every result file in full: its meta, detailed tables, then the summary (wide tables and
-    geometric means) last. `docs` is [(name, doc)]."""
+    geometric means) last. `docs` is [(name, doc)]; `image` a link to the plot of the last."""
     out = [f"# {title}\n"] if title else []
     out.append(method_text() + "\n")
+    if image:
+        out.append(f"![speed-up over the baseline peer, and µs / floor against M]({image})\n")
     for name, doc in docs:
         rows = doc["rows"]
         rat = ratios(rows)
         out.append(f"## {name}\n\n" + _meta_table(doc["meta"]) + "\n")
         for s, o, idx in _sections(rows):
             out.append(_detailed(rows, s, o, idx, rat) + "\n")
+            if s in FLOOR_SUITES:
+                out.append(_floor_detail(rows, s, o, idx) + "\n")
         if notes:
             out.append("#### Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
         out.append(f"### Summary: {name}\n\n" + summary_markdown(doc))
@@ -403,6 +473,8 @@ HISTORY_KEYS = ("date", "commit", "gpu", "file", "geomeans")
 # Geometric means the page's history table shows: every fp8gemm impl over all shapes, and the
 # DeepSeek dense suite per M range (decode and prefill sizes behave differently).
 _HISTORY_RANGED_SUITES = ("deepseek-dense",)
+# Suites whose per-shape table the page shows (the others are in the result file's markdown).
+_PAGE_SUITES = ("deepseek-dense", "deepseek-grouped", "backward", "backward-skewed")
 
 
 def history_entry(name: str, doc: dict) -> dict:
@@ -412,7 +484,8 @@ def history_entry(name: str, doc: dict) -> dict:
     gm = geomeans(doc["rows"])
     total = {(g["suite"], g["op"], g["impl"]): g["count"] for g in gm if g["range"] == "all"}
     means = {f"{g['suite']}/{g['op']}/{g['impl']}/{g['range']}": round(g["geomean"], 4)
-             for g in gm if g["impl"] != BASELINE.get(g["op"]) and (g["range"] == "all" or g["count"] < total[(g["suite"], g["op"], g["impl"])])}
+             for g in gm if g["impl"] != BASELINE.get(g["op"])
+             and (g["range"] == "all" or g["count"] < total[(g["suite"], g["op"], g["impl"])])}
     meta = doc["meta"]
     return {"date": meta["date"], "commit": meta["commit"], "gpu": meta["gpu"], "file": name,
             "geomeans": means}
@@ -427,7 +500,8 @@ def load_history(path: str | os.PathLike) -> list[dict]:
     runs = doc.get("runs") if isinstance(doc, dict) else None
     if not isinstance(runs, list) or any(
             not isinstance(e, dict) or set(e) != set(HISTORY_KEYS) for e in runs):
-        raise ValueError(f"{path}: a history file must be {{'runs': [{{{', '.join(HISTORY_KEYS)}}}]}}")
+        keys = ", ".join(HISTORY_KEYS)
+        raise ValueError(f"{path}: a history file must be {{'runs': [{{{keys}}}]}}")
     return runs
 
 
@@ -474,8 +548,8 @@ def page_markdown(current: list[tuple[str, dict, str | None]], history: list[dic
                   title: str = "fp8gemm benchmarks") -> str:
     """BENCHMARKS.md. `current` is [(link to the result file, its doc, link to its plot or
     None)], one per GPU; `history` the recorded runs (runs of `current` not recorded yet are
-    added). For each current run: its meta, plot, geometric means and the per-shape tables of
-    the DeepSeek suites; then the history table."""
+    added). For each current run: its meta, plot, geometric means, the per-shape tables of
+    _PAGE_SUITES and the µs / floor means of FLOOR_SUITES; then the history table."""
     out = [f"# {title}\n", method_text() + "\n"]
     for link, doc, png in current:
         name = Path(link).name
@@ -490,8 +564,10 @@ def page_markdown(current: list[tuple[str, dict, str | None]], history: list[dic
         out.append("#### Geometric mean of the speed-up over the baseline peer\n\n"
                    + _geomean_table(rows) + "\n")
         for s, o, idx in _sections(rows):
-            if s.startswith("deepseek"):
+            if s in _PAGE_SUITES:
                 out.append(_wide(rows, s, o, idx, rat) + "\n")
+            if s in FLOOR_SUITES:
+                out.append(_floor_geomeans(rows, s, o, idx) + "\n")
     recorded = {e["file"] for e in history}
     entries = list(history) + [history_entry(Path(link).name, doc) for link, doc, _ in current
                                if Path(link).name not in recorded]
@@ -506,7 +582,8 @@ def page_markdown(current: list[tuple[str, dict, str | None]], history: list[dic
 
 
 def plot(doc: dict, path: str | os.PathLike) -> str | None:
-    """A PNG of the speed-up over the baseline, one panel per suite and op. Returns None when
+    """A PNG: the speed-up over the baseline, one bar panel per suite and op; for FLOOR_SUITES,
+    µs / floor against M instead, one panel per N x K with a line per impl. Returns None when
     written, else why not (matplotlib missing, nothing to plot)."""
     try:
         import matplotlib
@@ -517,34 +594,75 @@ def plot(doc: dict, path: str | os.PathLike) -> str | None:
         return f"no plot: matplotlib is not importable ({e})"
     rows = doc["rows"]
     rat = ratios(rows)
-    sections = [(s, o, [i for i in idx if i in rat]) for s, o, idx in _sections(rows)]
-    sections = [x for x in sections if x[2]]
-    if not sections:
-        return "no plot: no shape has its baseline measured"
-    fig, axes = plt.subplots(len(sections), 1, figsize=(14, 3.6 * len(sections)), squeeze=False)
-    for ax, (suite, op, idx) in zip(axes[:, 0], sections):
-        impls = _impls(rows, idx)
-        shapes = _shapes(rows, idx)
-        width = 0.8 / max(1, len(impls))
-        for j, impl in enumerate(impls):
-            xs, ys = [], []
-            for x, s in enumerate(shapes):
-                for i in idx:
-                    if rows[i]["impl"] == impl and _shape_key(rows[i]) == s:
-                        xs.append(x + (j - (len(impls) - 1) / 2) * width)
-                        ys.append(rat[i])
-            ax.bar(xs, ys, width, label=impl)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(shapes)))
-        ax.set_xticklabels([_label(op, s) for s in shapes], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel(f"× {BASELINE.get(op)}")
-        ax.set_title(f"{suite} / {op}: speed-up over {BASELINE.get(op)} (higher is better)")
-        ax.legend(fontsize=7, ncol=len(impls))
+    bars, lines = plot_panels(rows)
+    if not bars and not lines:
+        return "no plot: no shape has its baseline measured, and none is of a floor suite"
+    cols = 3
+    line_rows = -(-len(lines) // cols)
+    height = 3.6 * len(bars) + 3.2 * line_rows
+    fig = plt.figure(figsize=(14, height))
+    grid = fig.add_gridspec(len(bars) + line_rows, cols)
+    for r, (suite, op, idx) in enumerate(bars):
+        _bar_panel(fig.add_subplot(grid[r, :]), rows, rat, suite, op, idx)
+    for j, (suite, op, (n, k), idx) in enumerate(lines):
+        ax = fig.add_subplot(grid[len(bars) + j // cols, j % cols])
+        _floor_panel(ax, rows, suite, op, n, k, idx, legend=j == 0)
     meta = doc["meta"]
     fig.suptitle(f"fp8gemm on {meta.get('gpu')}, torch {meta.get('torch')}, "
                  f"commit {str(meta.get('commit'))[:12]}, {meta.get('date')}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / height))  # (room for the suptitle)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def plot_panels(rows: list[dict]) -> tuple[list[tuple], list[tuple]]:
+    """What `plot` draws: ([(suite, op, row indices with a ratio)] as bar panels,
+    [(suite, op, (N, K), row indices)] as µs / floor panels, FLOOR_SUITES only)."""
+    rat = ratios(rows)
+    bars = [(s, o, [i for i in idx if i in rat]) for s, o, idx in _sections(rows)
+            if s not in FLOOR_SUITES]
+    lines = [(s, o, nk, idx) for s, o, sec in _sections(rows) if s in FLOOR_SUITES
+             for nk, idx in _by_nk(rows, sec).items()]
+    return [x for x in bars if x[2]], lines
+
+
+def _bar_panel(ax, rows: list[dict], rat: dict, suite: str, op: str, idx: list[int]) -> None:
+    impls = _impls(rows, idx)
+    shapes = _shapes(rows, idx)
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs, ys = [], []
+        for x, s in enumerate(shapes):
+            for i in idx:
+                if rows[i]["impl"] == impl and _shape_key(rows[i]) == s:
+                    xs.append(x + (j - (len(impls) - 1) / 2) * width)
+                    ys.append(rat[i])
+        ax.bar(xs, ys, width, label=impl)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels([_label(op, s) for s in shapes], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel(f"× {BASELINE.get(op)}")
+    ax.set_title(f"{suite} / {op}: speed-up over {BASELINE.get(op)} (higher is better)")
+    ax.legend(fontsize=7, ncol=len(impls))
+
+
+def _floor_panel(ax, rows: list[dict], suite: str, op: str, n: int, k: int, idx: list[int],
+                 legend: bool) -> None:
+    for impl in _impls(rows, idx):
+        pts = sorted((rows[i]["shape"]["m"], rows[i]["us"] / floor_us(rows[i])) for i in idx
+                     if rows[i]["impl"] == impl)
+        ax.plot([m for m, _ in pts], [y for _, y in pts], marker="o", markersize=3,
+                linewidth=1, label=impl)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ms = sorted({rows[i]["shape"]["m"] for i in idx})
+    ax.set_xticks(ms, [str(m) if m & (m - 1) == 0 else "" for m in ms])  # label powers of 2
+    ax.minorticks_off()
+    ax.set_xlabel("M", fontsize=8)
+    ax.set_ylabel("µs / floor", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_title(f"{suite} / {op}: N×K = {n}x{k} (lower is better)", fontsize=8)
+    if legend:
+        ax.legend(fontsize=6)

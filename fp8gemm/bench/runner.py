@@ -9,7 +9,7 @@ import torch
 
 from ..quant import calc_diff
 from .impls import Skip, applies, make_data, make_impl, reference_output
-from .report import _floor_us, make_row
+from .report import floor_us, make_row
 from .suites import Case
 from .timing import DeviceTimer, eager_time_us, gbs, median, tflops
 
@@ -120,7 +120,7 @@ def run_cases(cases: list[Case], impls: list[str], device: torch.device, runs: i
             row = make_row(case.suite, case.op, case.shape, impl, us, eager.wall_us,
                            tflops(case.flops, us), gbs(case.min_bytes, us), diff)
             res.rows.append(row)
-            floor = _floor_us(row)
+            floor = floor_us(row)
             log(f"  {case} {impl:<24} {us:9.1f} us  eager {eager.wall_us:8.1f} us "
                 f"(host {eager.host_us:6.1f})  {row['tflops']:7.1f} TFLOPS  "
                 f"{row['gbs']:7.0f} GB/s  diff {diff:.1e}"

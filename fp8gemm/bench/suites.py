@@ -4,13 +4,20 @@
   full and equal.
 - `irregular`: shapes no tile divides (M = 1, 37; N = 200; K = 320).
 - `m-sweep`: M = 1 ... 256 on the six dense N x K, where a GEMM should cost what moving its bytes
-  costs (the small-M floor).
+  costs (the memory floor, `Case.floor_us`).
 - `moe-skewed`: grouped GEMMs with skewed expert loads (8, 16 and 32 experts) at the grouped
   suite's total rows: contiguous (padded to 128 rows per expert) and offsets (the same rows
-  unpadded), masked with `masked_m` varying per expert, and the k-grouped weight gradient with
-  skewed token counts.
-- `deepseek-backward`: the weight gradients of the dense layers (K = tokens) and of 8 experts.
+  unpadded), masked with `masked_m` varying per expert.
+- `backward`: the training GEMMs of the dense layers at 4096 and 1000 tokens, the weight
+  gradient (wgrad, K = tokens) and the input gradient (dgrad, through the forward kernels on
+  the transposed weight), and the weight gradient of 8 experts in one k-grouped GEMM, with
+  equal and with skewed token counts (some experts get none). The skewed cases are reported as
+  suite `backward-skewed`: a result row's shape (M, N, K, G) does not hold the token counts, and
+  would not tell them from the equal ones.
 - `moe-layer`: a DeepSeek-V3 expert layer end to end, prefill and decode.
+
+--quick trims `irregular`, `m-sweep` (fewer M) and `backward` (fewer dense N x K) for a
+time-limited run; the other suites are what every figure is compared on.
 """
 
 from __future__ import annotations
@@ -20,13 +27,27 @@ import random
 from dataclasses import dataclass
 
 __all__ = ["Case", "SUITES", "OPS", "BASELINE", "suite_cases", "all_suite_names",
-           "skewed_sizes", "SKEW_EXPONENT", "MOE_LAYER"]
+           "skewed_sizes", "SKEW_EXPONENT", "MOE_LAYER", "FLOOR_BYTES_PER_US", "FLOOR_FIXED_US",
+           "DENSE_LIKE_OPS"]
 
-OPS = ("dense", "contiguous", "offsets", "masked", "wgrad", "k_grouped_wgrad", "moe_layer")
+OPS = ("dense", "contiguous", "offsets", "masked", "wgrad", "dgrad", "k_grouped_wgrad",
+       "moe_layer")
+# Ops that are one plain D = A . B^T with A in 1x128 groups and B in 128x128 blocks (dgrad is
+# the forward GEMM on other operands).
+DENSE_LIKE_OPS = ("dense", "dgrad")
 # The peer every impl of an op is compared with (ratio = baseline us / impl us).
 BASELINE = {"dense": "cublas-block", "contiguous": "cublas-rowwise-grouped",
             "offsets": "cublas-rowwise-grouped", "masked": "torch-bf16", "wgrad": "cublas-block",
-            "k_grouped_wgrad": "cublas-block-loop", "moe_layer": "torch-bf16"}
+            "dgrad": "cublas-block", "k_grouped_wgrad": "cublas-block-loop",
+            "moe_layer": "torch-bf16"}
+
+# The memory floor of a problem on the H200: its fewest bytes (`Case.min_bytes`) at the device's
+# copy bandwidth, plus the time of an almost-empty kernel. 4.25 TB/s is a device-to-device copy
+# of 2 GB (read + write counted) measured on the H200 (HBM3e, 4.8 TB/s peak); 4 us is a kernel
+# that does almost nothing, timed as every figure here is (cold L2, launch hidden: timing.py).
+# A small-M GEMM is memory-bound: it cannot beat this, and should come close.
+FLOOR_BYTES_PER_US = 4.25e6
+FLOOR_FIXED_US = 4.0
 
 _BLOCK = 128
 _GROUPED_OPS = ("contiguous", "offsets", "masked")
@@ -62,12 +83,15 @@ MOE_LAYER = MoeLayerShape()
 class Case:
     """One benchmark problem.
 
-    dense: D [M, N] = A [M, K] . B [N, K]^T. contiguous / offsets / masked: `m` is the mean rows
-    per group; `sizes` holds each group's rows when they differ (empty: every group has `m`);
-    masked groups live in [G, mmax, K] buffers. wgrad: fp32 out [M, N], K = tokens, 1x128
-    scales on both operands. k_grouped_wgrad: out [G, M, N], group g with K = sizes[g] tokens
-    (`k` the mean). moe_layer: `m` tokens through `groups` local experts of hidden `n` and
-    width `k` (MOE_LAYER).
+    Every GEMM is named as D [M, N] = A [M, K] . B [N, K]^T. dense: the forward GEMM.
+    contiguous / offsets / masked: `m` is the mean rows per group; `sizes` holds each group's
+    rows when they differ (empty: every group has `m`); masked groups live in [G, mmax, K]
+    buffers. A layer Y [T, N_out] = X [T, K_in] . W [N_out, K_in]^T has two backward GEMMs:
+    wgrad dW = dY^T . X, fp32 out, M = N_out, N = K_in, K = T tokens, 1x128 scales along the
+    tokens on both operands; dgrad dX = dY . W, bf16 out, M = T, N = K_in, K = N_out, A = dY in
+    1x128 groups and B = W^T in 128x128 blocks (the forward GEMM's recipe). k_grouped_wgrad:
+    out [G, M, N], group g with K = sizes[g] tokens (`k` the mean). moe_layer: `m` tokens
+    through `groups` local experts of hidden `n` and width `k` (MOE_LAYER).
     """
 
     suite: str
@@ -138,16 +162,23 @@ class Case:
         return a + b + self.total_m * self.n * 2
 
     @property
+    def floor_us(self) -> float:
+        """The memory floor: fewest bytes / FLOOR_BYTES_PER_US + FLOOR_FIXED_US."""
+        return self.min_bytes / FLOOR_BYTES_PER_US + FLOOR_FIXED_US
+
+    @property
     def shape(self) -> dict:
         return {"m": self.m, "n": self.n, "k": self.k, "groups": self.groups}
 
     @property
     def label(self) -> str:
-        if self.op in ("dense", "wgrad"):
+        if self.op in ("dense", "wgrad", "dgrad"):
             return f"{self.m}x{self.n}x{self.k}"
         if self.op == "k_grouped_wgrad":
             mean = "mean " if len(set(self.group_sizes)) > 1 else ""
-            return f"{self.groups}x{mean}{self.k} tokens, {self.m}x{self.n}"
+            empty = self.group_sizes.count(0)
+            none = f" ({empty} with none)" if empty else ""
+            return f"{self.groups}x{mean}{self.k} tokens{none}, {self.m}x{self.n}"
         if self.op == "moe_layer":
             return f"{self.m} tokens, {self.groups} experts {self.n}x{self.k}"
         mean = "mean " if len(set(self.group_sizes)) > 1 else ""
@@ -168,17 +199,23 @@ _IRREGULAR_N = (200, 576, 2112)
 _IRREGULAR_K = (320, 7168)
 _IRREGULAR_QUICK = ((1, 2112, 7168), (37, 200, 320), (37, 576, 7168), (130, 2112, 320),
                     (1000, 200, 7168), (1000, 2112, 7168))
-_SWEEP_M = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-_SWEEP_M_QUICK = (1, 8, 32, 64, 128, 192, 256)
+_SWEEP_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# NOTE: DeepGEMM compiles each new (M, N, K) (about 3 s): the quick sweep keeps one M per regime
+# (one row, a few, one 64-row tile, one 128-row tile, between one and two tiles).
+_SWEEP_M_QUICK = (1, 16, 64, 128, 192)
 # Skewed suites: the grouped suite's totals (contiguous 32768 rows, masked 1024 rows).
 _SKEW_GROUPS = (8, 16, 32)
 _SKEW_CONTIGUOUS_ROWS = 32768
 _SKEW_MASKED_ROWS = 1024
-# Weight gradients: tokens per dense layer, and 8 experts of 4096 tokens each (out [M, N] is an
-# expert weight: w13 [4096, 7168] and w2 [7168, 2048]).
-_WGRAD_TOKENS = (4096, 1000)
+# Backward: tokens per dense layer (1000: no 128-token block divides it, and cuBLAS takes no
+# K % 16 != 0), the dense N x K of --quick (thin, wide and the last layer's), and 8 experts of
+# 4096 tokens each (out [M, N] is an expert weight: w13 [4096, 7168] and w2 [7168, 2048]); the
+# skewed token counts keep the total, and this many experts get no token.
+_BACKWARD_TOKENS = (4096, 1000)
+_BACKWARD_NK_QUICK = ((2112, 7168), (24576, 1536), (7168, 2048))
 _KGROUPED_MN = ((4096, 7168), (7168, 2048))
 _KGROUPED_EXPERTS, _KGROUPED_TOKENS = 8, 4096
+_KGROUPED_EMPTY = 2
 _MOE_LAYER_TOKENS = (4096, 128)  # prefill, decode
 
 # The r-th busiest expert draws tokens with weight r^-SKEW_EXPONENT (Zipf-like): at 32 experts
@@ -187,21 +224,29 @@ SKEW_EXPONENT = 1.0
 _SKEW_SEED = 2024
 
 
-def skewed_sizes(total: int, groups: int, seed: int = _SKEW_SEED, unit: int = 1) -> tuple[int, ...]:
-    """`groups` sizes summing to `total`, each a multiple of `unit`: total / unit draws, each
-    to one group with Zipf-like weights, the busiest groups placed at random. Deterministic in
-    (total, groups, seed, unit)."""
+def skewed_sizes(total: int, groups: int, seed: int = _SKEW_SEED, unit: int = 1,
+                 empty: int = 0) -> tuple[int, ...]:
+    """`groups` sizes summing to `total`, each a multiple of `unit`: `empty` groups (chosen at
+    random) get nothing, and total / unit draws go each to one of the others with Zipf-like
+    weights, the busiest groups placed at random. Deterministic in the arguments."""
     if total % unit or total < 0:
         raise ValueError(f"total must be a non-negative multiple of unit = {unit}, got {total}")
     if groups < 1:
         raise ValueError(f"groups must be positive, got {groups}")
-    rng = random.Random(f"{seed}/{total}/{groups}/{unit}")
-    weights = [1.0 / (r + 1) ** SKEW_EXPONENT for r in range(groups)]
+    if not 0 <= empty < groups:
+        raise ValueError(f"empty must be in [0, groups = {groups}), got {empty}")
+    key = f"{seed}/{total}/{groups}/{unit}" + (f"/{empty}" if empty else "")
+    rng = random.Random(key)
+    full = groups - empty
+    weights = [1.0 / (r + 1) ** SKEW_EXPONENT for r in range(full)]
     rng.shuffle(weights)
-    counts = [0] * groups
-    for g in rng.choices(range(groups), weights=weights, k=total // unit):
+    counts = [0] * full
+    for g in rng.choices(range(full), weights=weights, k=total // unit):
         counts[g] += 1
-    return tuple(c * unit for c in counts)
+    sizes = [c * unit for c in counts]
+    for g in sorted(rng.sample(range(groups), empty)):
+        sizes.insert(g, 0)
+    return tuple(sizes)
 
 
 def _dense(quick: bool) -> list[Case]:
@@ -234,18 +279,21 @@ def _skewed(quick: bool) -> list[Case]:
         for g in _SKEW_GROUPS:
             sizes = skewed_sizes(total, g)
             out += [Case("moe-skewed", op, total // g, n, k, g, sizes) for n, k in _GROUPED_NK]
-    ks = skewed_sizes(_KGROUPED_EXPERTS * _KGROUPED_TOKENS, _KGROUPED_EXPERTS, unit=_BLOCK)
-    out += [Case("moe-skewed", "k_grouped_wgrad", m, n, _KGROUPED_TOKENS, _KGROUPED_EXPERTS, ks)
-            for m, n in _KGROUPED_MN]
     return out
 
 
 def _backward(quick: bool) -> list[Case]:
-    wgrad = [Case("deepseek-backward", "wgrad", n, k, t) for t in _WGRAD_TOKENS
-             for n, k in _DENSE_NK]
-    kgrouped = [Case("deepseek-backward", "k_grouped_wgrad", m, n, _KGROUPED_TOKENS,
-                     _KGROUPED_EXPERTS) for m, n in _KGROUPED_MN]
-    return wgrad + kgrouped
+    """wgrad and dgrad of each dense layer Y = X . W^T (W [N_out, K_in]) at each token count,
+    then the k-grouped wgrad with equal and with skewed token counts."""
+    nk = _BACKWARD_NK_QUICK if quick else _DENSE_NK
+    wgrad = [Case("backward", "wgrad", n, k, t) for t in _BACKWARD_TOKENS for n, k in nk]
+    dgrad = [Case("backward", "dgrad", t, k, n) for t in _BACKWARD_TOKENS for n, k in nk]
+    g, t = _KGROUPED_EXPERTS, _KGROUPED_TOKENS
+    skewed = skewed_sizes(g * t, g, unit=_BLOCK, empty=_KGROUPED_EMPTY)
+    kgrouped = [Case(suite, "k_grouped_wgrad", m, n, t, g, sizes)
+                for suite, sizes in (("backward", ()), ("backward-skewed", skewed))
+                for m, n in _KGROUPED_MN]
+    return wgrad + dgrad + kgrouped
 
 
 def _moe_layer(quick: bool) -> list[Case]:
@@ -255,7 +303,7 @@ def _moe_layer(quick: bool) -> list[Case]:
 
 
 SUITES = {"deepseek-dense": _dense, "deepseek-grouped": _grouped, "irregular": _irregular,
-          "m-sweep": _m_sweep, "moe-skewed": _skewed, "deepseek-backward": _backward,
+          "m-sweep": _m_sweep, "moe-skewed": _skewed, "backward": _backward,
           "moe-layer": _moe_layer}
 
 
@@ -264,8 +312,8 @@ def all_suite_names() -> tuple[str, ...]:
 
 
 def suite_cases(name: str, quick: bool = False) -> list[Case]:
-    """The cases of one suite, or of every suite for "all". --quick trims only `irregular` and
-    `m-sweep`: the DeepSeek shapes are what every figure is compared on."""
+    """The cases of one suite, or of every suite for "all"; `quick` trims `irregular`, `m-sweep`
+    and `backward` (the module's docstring)."""
     if name == "all":
         return [c for s in SUITES for c in SUITES[s](quick)]
     if name not in SUITES:
