@@ -13,7 +13,7 @@ import torch
 
 from ...problem import GemmProblem
 from ..family import choose_family
-from . import sm90_fp8_gemm_1d2d
+from . import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d
 
 __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
@@ -21,7 +21,7 @@ __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_ge
            "m_grouped_fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
-FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED)
+FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED, sm90_fp8_gemm_1d1d.DENSE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +95,10 @@ def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
     (a, sa, b, sb, out, c) that runs `problem` for later calls whose tensors have the metadata of
     this call's (a, b, out contiguous; scales as sa and sb, unreshaped; one device), skipping this
     module's checks and the plan lookups; or None."""
-    return sm90_fp8_gemm_1d2d.launcher(family_for(problem), problem, sa, sb)
+    fam = family_for(problem)
+    if fam is sm90_fp8_gemm_1d1d.DENSE:
+        return sm90_fp8_gemm_1d1d.launcher(problem, sa, sb)
+    return sm90_fp8_gemm_1d2d.launcher(fam, problem, sa, sb)
 
 
 def m_grouped_fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
