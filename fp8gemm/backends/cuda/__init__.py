@@ -17,11 +17,12 @@ from . import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d
 
 __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
-           "m_grouped_fp8_gemm_nt_masked", "fp8_gemm_nt_launcher",
-           "m_grouped_fp8_gemm_nt_launcher"]
+           "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
+           "fp8_gemm_nt_launcher", "m_grouped_fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
-FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED, sm90_fp8_gemm_1d1d.DENSE)
+FAMILIES = (sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED, sm90_fp8_gemm_1d1d.DENSE,
+            sm90_fp8_gemm_1d1d.K_GROUPED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,6 +89,10 @@ def m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, out, offsets, problem: GemmProbl
 
 def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProblem) -> None:
     _run(problem, a, sa, b, sb, out, None, masked_m)
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, c, ks, problem: GemmProblem) -> None:
+    _run(problem, a, sa, b, sb, out, c, ks)
 
 
 def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):

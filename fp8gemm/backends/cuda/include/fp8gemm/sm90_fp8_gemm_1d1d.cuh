@@ -5,6 +5,12 @@
 // N is a compile-time constant; M and K are kernel arguments (a token count K changes every step
 // of training without a new kernel). K may be any value >= 1: TMA zero-fills the columns past K
 // of the last k-block.
+// kKGrouped (the MoE weight gradient): G GEMMs out[g] = c[g] + A_g . B_g^T, out and c [G, M, N];
+//   group g's K_g = ks[g] (read on the device, clamped to the columns that remain) spans k-blocks
+//   [s_g, s_g + ceil(K_g/128)) of A [M, 128 * S] and B [N, 128 * S], s_g = sum over h < g of
+//   ceil(K_h/128): every group starts on a k-block, the columns past K_g of its last k-block are
+//   zero, and its scales are columns s_g.. of sa and sb (the host pads A and B so when the
+//   groups' K are not all multiples of 128). A group with K_g = 0 writes c[g] (or zeros).
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
 // (BLOCK_M = 128) math warpgroups through a ring of kNumStages shared-memory stages; every stage
 // carries its k-block of A and B and their scales (BLOCK_M and BLOCK_N floats).
@@ -36,15 +42,73 @@ struct Sm90Fp8Gemm1d1dLayout {
       1024 + kNumStages * (SMEM_A + SMEM_B + SMEM_SA + SMEM_SB) + SMEM_BARRIERS;
 };
 
+// One output tile and its k-blocks: rows [m0, m0 + BLOCK_M) of group `group`, k-blocks
+// [kb0, kb0 + num_kb) of A, B and their scales.
+struct Tile1d1d {
+  int32_t m0;
+  uint32_t n_block, group, kb0, num_kb;
+};
+
+// The tiles of a CTA. Dense: the dense TileScheduler's walk, every tile with all of K.
+// K-grouped: tile t of the sequence is tile t % (tiles per group) of group t / (tiles per group),
+// each group banded as a dense GEMM; the walk keeps the running K and k-block offsets of the
+// groups it has passed (CTAs visit tiles in increasing order), reading ks as it goes.
+template <bool kKGrouped, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize>
+struct Scheduler1d1d {
+  using Dense = TileScheduler<kKindDense, BLOCK_M, kNumNBlocks, kBandSize, false>;
+  Dense dense;
+  const int32_t* ks;
+  uint32_t num_groups, num_m_blocks, shape_k, next_tile;
+  uint32_t group, k_off, kb_off;  // the first group not passed yet, and where it starts
+
+  __device__ __forceinline__ Scheduler1d1d(uint32_t shape_m, uint32_t shape_k_, const int32_t* ks_,
+                                           uint32_t num_groups_)
+      : dense(shape_m, nullptr, 1), ks(ks_), num_groups(num_groups_),
+        num_m_blocks(ceil_div(shape_m, BLOCK_M)), shape_k(shape_k_), next_tile(blockIdx.x),
+        group(0), k_off(0), kb_off(0) {}
+
+  // K of group g starting at column k_off: ks[g] clamped to [0, shape_k - k_off].
+  __device__ __forceinline__ uint32_t group_k(uint32_t g) const {
+    const int32_t k = __ldg(ks + g);
+    const uint32_t left = shape_k - k_off;
+    return k <= 0 ? 0u : (static_cast<uint32_t>(k) < left ? static_cast<uint32_t>(k) : left);
+  }
+
+  __device__ __forceinline__ bool next(Tile1d1d& t) {
+    if constexpr (!kKGrouped) {
+      Tile tile;
+      if (!dense.next(tile)) return false;
+      t.m0 = tile.m0, t.n_block = tile.n_block, t.group = 0, t.kb0 = 0;
+      t.num_kb = ceil_div(shape_k, 128u);
+      return true;
+    } else {
+      const uint32_t tiles_per_group = num_m_blocks * kNumNBlocks;
+      if (next_tile >= tiles_per_group * num_groups) return false;
+      const uint32_t g = next_tile / tiles_per_group;
+      for (; group < g; ++group) {
+        const uint32_t k = group_k(group);
+        k_off += k, kb_off += ceil_div(k, 128u);
+      }
+      uint32_t m_block, n_block;
+      Dense::tile_coords(next_tile - g * tiles_per_group, num_m_blocks, m_block, n_block);
+      next_tile += gridDim.x;
+      t.m0 = static_cast<int32_t>(m_block * BLOCK_M), t.n_block = n_block, t.group = g;
+      t.kb0 = kb_off, t.num_kb = ceil_div(group_k(g), 128u);
+      return true;
+    }
+  }
+};
+
 // Two floats of adjacent columns, one 8-byte shared-memory load.
 struct alignas(8) Float2 {
   float x, y;
 };
 
-template <uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kBandSize>
+template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
+          uint32_t kNumStages, uint32_t kBandSize>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
-sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, float* out,
+sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
+                          uint32_t num_groups, const float* c, float* out,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
@@ -91,7 +155,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
   // descriptors derived from it then live in uniform registers).
   const uint32_t warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const uint32_t lane = lane_idx();
-  const uint32_t num_kb = ceil_div(shape_k, BLOCK_K);
 
   // --- barrier setup ----------------------------------------------------------------------------
   if (threadIdx.x == kNumMathThreads) {
@@ -109,8 +172,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
   }
   __syncthreads();
 
-  TileScheduler<kKindDense, BLOCK_M, kNumNBlocks, kBandSize, false> scheduler(shape_m, nullptr, 1);
-  Tile tile;
+  Scheduler1d1d<kKGrouped, BLOCK_M, kNumNBlocks, kBandSize> scheduler(shape_m, shape_k, ks,
+                                                                       num_groups);
+  Tile1d1d tile;
 
   if (warpgroup == kNumMathThreads / 128) {
     // --- producer: one thread issues every TMA load ---------------------------------------------
@@ -124,15 +188,15 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
-        for (uint32_t kb = 0; kb < num_kb; ++kb) {
+        for (uint32_t i = 0; i < tile.num_kb; ++i) {
           mbar_wait(&empty_bar[stage], phase ^ 1);
           uint64_t* bar = &full_bar[stage];
           mbar_arrive_expect_tx(bar, stage_tx_bytes);
-          const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
-          tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, k0, m0);
-          tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, k0, n0);
-          tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, m0, static_cast<int32_t>(kb));
-          tma_load_2d(smem_sb + stage * Layout::kSbStage, &tmap_sb, bar, n0, static_cast<int32_t>(kb));
+          const int32_t kb = static_cast<int32_t>(tile.kb0 + i);
+          tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, kb * static_cast<int32_t>(BLOCK_K), m0);
+          tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, kb * static_cast<int32_t>(BLOCK_K), n0);
+          tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, m0, kb);
+          tma_load_2d(smem_sb + stage * Layout::kSbStage, &tmap_sb, bar, n0, kb);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
@@ -158,6 +222,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
     while (scheduler.next(tile)) {
       const uint32_t row0 = static_cast<uint32_t>(tile.m0) + r0;
       const uint32_t col0 = tile.n_block * BLOCK_N + col_in_group;
+      // This tile's group's [M, N] of out and c.
+      const uint64_t group_off = static_cast<uint64_t>(tile.group) * shape_m * SHAPE_N;
       // The FP32 sums start from c (each thread reads exactly the elements it later writes, so
       // c may be out).
       if (c != nullptr) {
@@ -168,7 +234,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
           for (uint32_t h = 0; h < 2; ++h) {
             const uint32_t row = row0 + h * 8;
             const bool ok = row < shape_m && col < SHAPE_N;
-            const float* src = c + static_cast<uint64_t>(row) * SHAPE_N + col;
+            const float* src = c + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
             final_acc[4 * g + 2 * h + 0] = ok ? src[0] : 0.0f;
             final_acc[4 * g + 2 * h + 1] = ok && col + 1 < SHAPE_N ? src[1] : 0.0f;
           }
@@ -178,7 +244,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
         for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
       }
 
-      for (uint32_t kb = 0; kb < num_kb; ++kb) {
+      for (uint32_t i = 0; i < tile.num_kb; ++i) {
         mbar_wait(&full_bar[stage], phase);
         const uint64_t desc_a = desc_a0 + stage * (Layout::SMEM_A / 16);
         const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
@@ -227,7 +293,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const float* c, fl
         for (uint32_t h = 0; h < 2; ++h) {
           const uint32_t row = row0 + h * 8;
           if (row >= shape_m || col >= SHAPE_N) continue;
-          float* dst = out + static_cast<uint64_t>(row) * SHAPE_N + col;
+          float* dst = out + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
           const float v0 = final_acc[4 * g + 2 * h + 0], v1 = final_acc[4 * g + 2 * h + 1];
           if constexpr (SHAPE_N % 2 == 0) {
             // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
