@@ -340,3 +340,152 @@ def test_misaligned_out_and_operands(gpu_device):
     _run(a_odd, sa, b, sb, out, c)
     assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, "odd offsets")
     assert torch.isnan(out_buf[0])
+
+
+# --- the k-grouped family ----------------------------------------------------------------------------
+# (M, N, ks): the suite's MoE weight gradients (8 experts x 4096 tokens, and skewed counts that
+# are multiples of 128), then awkward splits (empty groups, K not a multiple of 128 or 16).
+K_GROUPED_CPU = [(4096, 7168, (4096,) * 8), (7168, 2048, (4096,) * 8),
+                 (4096, 7168, (1024, 7680, 256, 4096, 2048, 9216, 512, 8192)),
+                 (200, 376, (16384, 3, 0)), (64, 131, (1000, 0, 37))]
+
+
+def k_problem(m, n, ks, has_c=False, **kw) -> GemmProblem:
+    return problem(m, n, sum(ks), kind=GemmKind.K_GROUPED, groups=len(ks), has_c=has_c, **kw)
+
+
+@pytest.mark.parametrize("m,n,ks", K_GROUPED_CPU)
+def test_k_grouped_routing_and_config(m, n, ks):
+    p = k_problem(m, n, ks, has_c=True)
+    assert cuda_supports(p) is None and family_for(p) is g.K_GROUPED
+    assert "k_grouped" in g.DENSE.supports(p) and "dense" in g.K_GROUPED.supports(problem(m, n, 128))
+    cfg = g.K_GROUPED.select_config(p, H200)
+    assert cfg.block_n in g.K_GROUPED_BLOCK_N_CHOICES[cfg.block_m]
+    assert cfg.smem <= H200.smem_per_block
+    tiles = len(ks) * ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    assert cfg.grid == min(H200.num_sms, tiles)
+    assert cfg == g.K_GROUPED.candidate_configs(p, H200)[0]
+
+
+@pytest.mark.parametrize("ks", [(1000, 37, 0, 129, 8192, 4096, 0, 17), (16384, 3, 0), (128, 256),
+                                (0, 5)])
+def test_group_columns_move_each_group_to_a_k_block(ks):
+    """Column j of group g lands at 128 * (k-blocks of the groups before g) + (j - its start);
+    the padded operand holds every value once, zeros elsewhere."""
+    sum_k, blocks = sum(ks), sum(ceil_div(k, SCALE_BLOCK) for k in ks)
+    dst = g.group_columns(torch.tensor(ks, dtype=torch.int32), sum_k, blocks)
+    want, kb = [], 0
+    for k in ks:
+        want += [SCALE_BLOCK * kb + j for j in range(k)]
+        kb += ceil_div(k, SCALE_BLOCK)
+    assert dst.tolist() == want
+    t = torch.randint(1, 255, (3, sum_k), dtype=torch.uint8)
+    padded = g._pad_groups(t, dst, blocks)
+    assert padded.shape == (3, SCALE_BLOCK * blocks) and g._row_bytes(padded) % 16 == 0
+    assert torch.equal(padded[:, dst], t) and int((padded != 0).sum()) == 3 * sum_k
+
+
+def test_group_columns_keep_stray_values_inside():
+    """ks that disagree with the operand (too short, too long, negative): the kernel's clamp
+    (each group to the columns that remain), and columns of no group or past the scale blocks
+    go to the spare column."""
+    spare = SCALE_BLOCK * 2
+    short = g.group_columns(torch.tensor([100, 50], dtype=torch.int32), 300, 2).tolist()
+    assert short[:100] == list(range(100)) and short[100:150] == list(range(128, 178))
+    assert set(short[150:]) == {spare}
+    long = g.group_columns(torch.tensor([-4, 100, 500], dtype=torch.int32), 300, 2).tolist()
+    assert long[:100] == list(range(100)) and long[100:228] == list(range(128, 256))
+    assert set(long[228:]) == {spare}
+
+
+def test_k_grouped_picked_kernels_compile_clean(tmp_path, monkeypatch):
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    seen = {(n, g.K_GROUPED.select_config(k_problem(m, n, ks), f))
+            for f in (H200, H100_PCIE) for m, n, ks in K_GROUPED_CPU}
+    for bm in g.BLOCK_M_CHOICES:  # the widest of each height
+        bn = g.K_GROUPED_BLOCK_N_CHOICES[bm][-1]
+        seen.add((7168, g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block),
+                                         g.BAND_SIZE, 132)))
+    for n, cfg in sorted(seen, key=str):
+        _, compiled, _, _ = g.compile_kernel(n, cfg, k_grouped=True)
+        _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped N={n} {cfg}")
+
+
+def _k_operands(m, n, ks, device):
+    """A [M, sum K], B [N, sum K] and their scales [rows, sum ceil(K_g/128)] (column-major),
+    each group with its own 1x128 blocks."""
+    s = sum(ceil_div(k, SCALE_BLOCK) for k in ks)
+    a, b = rand_fp8((m, sum(ks)), E4M3, device), rand_fp8((n, sum(ks)), E4M3, device)
+    sa = a_scales(Recipe.GROUP, m, SCALE_BLOCK * s, device, col_major=True)
+    sb = a_scales(Recipe.GROUP, n, SCALE_BLOCK * s, device, col_major=True)
+    return a, sa, b, sb
+
+
+def _k_reference(a, sa, b, sb, ks, c=None):
+    out = torch.zeros(len(ks), a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
+    off = kb = 0
+    for i, k in enumerate(ks):
+        nkb = ceil_div(k, SCALE_BLOCK)
+        if k:
+            out[i] = ref_gemm(a[:, off:off + k], sa[:, kb:kb + nkb], Recipe.GROUP,
+                              b[:, off:off + k], sb[:, kb:kb + nkb], Recipe.GROUP)
+        off, kb = off + k, kb + nkb
+    return out if c is None else out + c.double()
+
+
+def _k_run(a, sa, b, sb, ks_t, out, c=None):
+    p = k_problem(a.shape[0], b.shape[0], [0] * ks_t.shape[0], has_c=c is not None)
+    p = replace(p, k=a.shape[1])
+    assert family_for(p) is g.K_GROUPED
+    g.K_GROUPED.run(g.K_GROUPED.config_for(p, a.device), p, a, sa, b, sb, out, c, ks_t)
+    return out
+
+
+K_GROUPED_GPU = [(256, 384, (512, 1024, 0, 256)),        # multiples of 128: read in place
+                 (300, 200, (1000, 37, 0, 129, 17)),      # moved to k-blocks first
+                 (129, 136, (3, 0, 0))]                   # sum K odd, groups of nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,ks", K_GROUPED_GPU)
+@pytest.mark.parametrize("c_mode", ["none", "separate", "alias"])
+def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
+    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
+    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
+    if c_mode == "alias":
+        out = c.clone()
+        _k_run(a, sa, b, sb, ks_t, out, out)
+    else:
+        out = poisoned((len(ks), m, n), torch.float32, gpu_device)
+        _k_run(a, sa, b, sb, ks_t, out, c if c_mode == "separate" else None)
+    ref = _k_reference(a, sa, b, sb, ks, None if c_mode == "none" else c)
+    assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n} ks={ks} c={c_mode}")
+    if c_mode == "none":
+        assert all((out[i] == 0).all() for i, k in enumerate(ks) if k == 0)
+
+
+@pytest.mark.gpu
+def test_k_grouped_cuda_graph_reads_ks_on_the_device(gpu_device):
+    """Captured once, replayed after ks changes in place (the padded copies are captured too)."""
+    m, n = 256, 384
+    ks_a, ks_b = (512, 0, 300, 212), (0, 1000, 24, 0)
+    s = max(sum(ceil_div(k, SCALE_BLOCK) for k in ks) for ks in (ks_a, ks_b))
+    a, b = rand_fp8((m, sum(ks_a)), E4M3, gpu_device), rand_fp8((n, sum(ks_a)), E4M3, gpu_device)
+    sa = a_scales(Recipe.GROUP, m, SCALE_BLOCK * s, gpu_device, col_major=True)
+    sb = a_scales(Recipe.GROUP, n, SCALE_BLOCK * s, gpu_device, col_major=True)
+    ks_t = torch.tensor(ks_a, dtype=torch.int32, device=gpu_device)
+    out = torch.empty(4, m, n, device=gpu_device)
+    _k_run(a, sa, b, sb, ks_t, out)  # compile, load, plan outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _k_run(a, sa, b, sb, ks_t, out)
+    for ks in (ks_b, ks_a):
+        ks_t.copy_(torch.tensor(ks, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_diff(out, _k_reference(a, sa, b, sb, ks), TENSOR_CORE_FP32_DIFF,
+                          f"replay ks={ks}")
