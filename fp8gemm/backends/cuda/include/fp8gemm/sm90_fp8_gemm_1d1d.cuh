@@ -226,6 +226,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       const uint64_t group_off = static_cast<uint64_t>(tile.group) * shape_m * SHAPE_N;
       // The FP32 sums start from c (each thread reads exactly the elements it later writes, so
       // c may be out).
+      // NOTE: the loads are waited for at the first promotion, so they run under the first
+      // k-block's barrier wait and wgmma. Issued after the wgmma instead, they made ptxas spill
+      // (the accumulator in flight and 64 more live values).
       if (c != nullptr) {
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g) {
