@@ -283,8 +283,8 @@ class Sm90Plan1d1d:
             # are): the kernel needs every group on a k-block (TMA faults on an innermost start
             # that is not 16-byte aligned, and the wgmma descriptors move in 16 bytes), so A and
             # B are copied with their groups moved to k-block boundaries.
-            dst = group_columns(ks, self.k, sa.shape[1])
-            a, b = _pad_groups(a, dst, sa.shape[1]), _pad_groups(b, dst, sa.shape[1])
+            cols = group_columns(ks, self.k, sa.shape[1])
+            a, b = _pad_groups(a, cols, sa.shape[1]), _pad_groups(b, cols, sa.shape[1])
         else:
             a, b = _tma_rows(a), _tma_rows(b)
         dst = out
