@@ -159,6 +159,38 @@ def test_launcher_only_for_kernel_layouts():
     assert g.launcher(problem(256, 384, 1000), sa[:, :8], sb[:, :8]) is None  # K % 16: copies
 
 
+def test_launcher_hits_the_packs_the_plan_builds(monkeypatch):
+    """A warm call finds the argument pack Sm90Plan1d1d.run stored (one key function for both)
+    and launches it without the plan's run; a new pointer goes through the plan's run."""
+    launched, ran = [], []
+
+    class FakePlan:
+        sm_override = None
+        kernel, launch = "kernel", "launch config"
+
+        def __init__(self):
+            self.packs = {}
+
+        def run(self, *args):
+            ran.append(args)
+
+    t = lambda *shape: torch.zeros(*shape)  # noqa: E731
+    a, b, out, c = t(4, 128), t(8, 128), t(4, 8), t(4, 8)
+    sa = a_scales(Recipe.GROUP, 4, 128, col_major=True)
+    sb = a_scales(Recipe.GROUP, 8, 128, col_major=True)
+    plan = FakePlan()
+    plan.packs[g.pack_key(a, sa, b, sb, out, c, None)] = "pack"
+    monkeypatch.setattr(g, "launch", lambda *args: launched.append(args))
+    monkeypatch.setattr(g, "get_plan", lambda *args: plan)
+    monkeypatch.setattr(g.DENSE, "config_for", lambda *args: None)
+    run = object.__new__(g._Launcher)
+    run.problem, run.device, run.device_index, run.plan = problem(4, 8, 128), None, 0, plan
+    run.run(a, sa, b, sb, out, c)
+    assert launched == [("kernel", "launch config", 0, "pack")] and not ran
+    run.run(a, sa, b, sb, t(4, 8), c)
+    assert len(launched) == 1 and len(ran) == 1
+
+
 # --- compile every kernel the heuristic picks --------------------------------------------------------
 def _cuobjdump():
     from fp8gemm.jit import cuobjdump_path

@@ -225,6 +225,14 @@ def _pad_groups(t: torch.Tensor, dst: torch.Tensor, num_blocks: int) -> torch.Te
     return buf[:, :BLOCK_K * num_blocks].view(t.dtype)
 
 
+def pack_key(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+             out: torch.Tensor, c: torch.Tensor | None, ks: torch.Tensor | None) -> tuple:
+    """What an argument pack depends on besides the plan's shapes: the pointers, and the scale
+    columns (k-grouped: the sum of the groups' k-blocks, which sizes the tensor maps)."""
+    return (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), out.data_ptr(),
+            0 if c is None else c.data_ptr(), 0 if ks is None else ks.data_ptr(), sa.shape[1])
+
+
 class Sm90Plan1d1d:
     """Everything fixed for one (problem, device, config): kernel, launch config, and the
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
@@ -292,8 +300,7 @@ class Sm90Plan1d1d:
         # goes through a copy (slow but correct, never an error). c is read with 4-byte loads.
         if out.data_ptr() % 8:
             dst = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
-               0 if c is None else c.data_ptr(), 0 if ks is None else ks.data_ptr(), sa.shape[1])
+        key = pack_key(a, sa, b, sb, dst, c, ks)
         pack = self.packs.get(key)
         if pack is None:
             pack = self.params(a, sa, b, sb, dst, c, ks, key)
@@ -424,8 +431,7 @@ class _Launcher:
         # NOTE: Sm90Plan1d1d.run's pack key; a hit needs no layout check: packs hold only
         # pointers TMA and the epilogue can address (run copies the others), and the scales'
         # strides are fixed by the metadata signature.
-        pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr(), 0 if c is None else c.data_ptr()))
+        pack = plan.packs.get(pack_key(a, sa, b, sb, out, c, None))
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
