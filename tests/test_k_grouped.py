@@ -208,24 +208,26 @@ def test_validation_errors():
         OP((a_t, sa), (b_t, sb), None, ks[:0])
 
 
-def test_no_backend_but_the_reference_and_triton_takes_it():
-    """The CUDA families refuse k-grouped problems (each with its reason), Gluon and the
-    persistent Triton kernel refuse the kind, and the Triton k-grouped family takes it."""
+def test_backends_that_take_the_kind():
+    """The CUDA k-grouped family takes e4m3 x e4m3 (the other CUDA families refuse the kind, and
+    it refuses e5m2 with its reason); Gluon and the persistent Triton kernel refuse the kind, and
+    the Triton k-grouped family takes it in either format."""
     prob = _k_problem(has_c=True)
     assert reference.supports(prob) is None
     cuda = pytest.importorskip("fp8gemm.backends.cuda")
     fam, why = choose_family(cuda.FAMILIES, prob)
-    assert fam is None and why, why
-    assert cuda.supports(_k_problem()) is not None
+    assert fam is not None and fam.name == "sm90_k_grouped_fp8_gemm_1d1d", why
+    fam, why = choose_family(cuda.FAMILIES, _k_problem(db=torch.float8_e5m2))
+    assert fam is None and "e4m3" in why, why
     tb = pytest.importorskip("fp8gemm.backends.triton")
     for f in tb.FAMILIES:
         if f is not tb.k_grouped_fp8_gemm.FAMILY:
             assert f.supports(prob) is not None, f
-    assert tb.supports(prob) is None
+    assert tb.supports(prob) is None and tb.supports(_k_problem(db=torch.float8_e5m2)) is None
     assert tb.family_for(prob, H200) is tb.k_grouped_fp8_gemm.FAMILY
     with pytest.raises(ValueError, match="backend='cuda' cannot run k_grouped"):
         a, b, ks = _valid()
-        OP(a, b, None, ks, backend="cuda")
+        OP(a, b, None, ks, backend="cuda")  # on the CPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,9 +433,9 @@ def _gpu_check(m, n, ks, device, c_is_out=False, rows=256):
 @pytest.mark.gpu
 def test_gpu_deepseek_wgrad_shapes(gpu_device):
     """8 experts x 4096 tokens: 4096 x 7168 and 7168 x 2048 outputs, through auto (the CUDA
-    backend refuses the kind: Triton runs it)."""
+    backend's k-grouped family runs e4m3)."""
     prob = _k_problem()
-    assert fp8gemm.backends.select_backend(prob, gpu_device).NAME == "triton"
+    assert fp8gemm.backends.select_backend(prob, gpu_device).NAME == "cuda"
     _gpu_check(4096, 7168, (4096,) * 8, gpu_device)
     _gpu_check(7168, 2048, (4096,) * 8, gpu_device, c_is_out=True)
 

@@ -55,8 +55,8 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, out: torch.Tensor | None, ks: torch.T
             values that do not add up give wrong results but never a read outside a, b or their
             scales (each group is clamped to the columns that remain).
         c: optional float32 [G, M, N] added to the products; may be `out` itself (accumulate).
-        backend: "auto", "triton" or "reference" ("cuda" has no k-grouped kernel yet);
-            FP8GEMM_BACKEND overrides "auto".
+        backend: "auto", "cuda" (e4m3 x e4m3), "triton" or "reference"; FP8GEMM_BACKEND
+            overrides "auto".
 
     Returns:
         out, float32 [G, M, N].

@@ -15,17 +15,18 @@ import torch
 
 from ...problem import GemmProblem
 from ..family import DeviceFacts, KernelFamily, choose_family
-from . import sm90_fp8_gemm_1d2d, sm90_fp8_gemm_small_m
+from . import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d, sm90_fp8_gemm_small_m
 
 __all__ = ["NAME", "FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
            "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
-           "m_grouped_fp8_gemm_nt_masked", "fp8_gemm_nt_launcher",
-           "m_grouped_fp8_gemm_nt_launcher"]
+           "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
+           "fp8_gemm_nt_launcher", "m_grouped_fp8_gemm_nt_launcher"]
 
 NAME = "cuda"
 # NOTE: the small-M family supports a subset of what the dense one does and declines what its
 # model says the dense kernel runs faster, so `supports` answers as if it were not there.
-FAMILIES = (sm90_fp8_gemm_small_m.SMALL_M, sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED)
+FAMILIES = (sm90_fp8_gemm_small_m.SMALL_M, sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_gemm_1d2d.GROUPED,
+            sm90_fp8_gemm_1d1d.DENSE, sm90_fp8_gemm_1d1d.K_GROUPED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +108,10 @@ def m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, out, masked_m, problem: GemmProbl
     _run(problem, a, sa, b, sb, out, None, masked_m)
 
 
+def k_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, out, c, ks, problem: GemmProblem) -> None:
+    _run(problem, a, sa, b, sb, out, c, ks)
+
+
 def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
     """Optional part of the contract, used by the ops layer's per-metadata fast path: a callable
     (a, sa, b, sb, out, c) that runs `problem` for later calls whose tensors have the metadata of
@@ -117,6 +122,8 @@ def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
         def slow(a, sa_, b, sb_, out, c):
             fp8_gemm_nt(a, sa_, b, sb_, out, c, problem)
         return sm90_fp8_gemm_small_m.launcher(problem, sa, sb, slow)
+    if fam is sm90_fp8_gemm_1d1d.DENSE:
+        return sm90_fp8_gemm_1d1d.launcher(problem, sa, sb)
     return sm90_fp8_gemm_1d2d.launcher(fam, problem, sa, sb)
 
 

@@ -1,0 +1,318 @@
+// FP8 GEMM for sm_90a with both operands in 1x128 groups along K, FP32 out (the weight gradient):
+//   out[M, N] (fp32) = c[M, N] + (A * sa) . (B * sb)^T      (c optional, may be out itself)
+//   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
+//   B [N, K] e4m3, K-major; sb float32 per 1x128 group, column-major [ceil(K/128), N padded to 4]
+// N is a compile-time constant; M and K are kernel arguments (a token count K changes every step
+// of training without a new kernel). K may be any value >= 1: TMA zero-fills the columns past K
+// of the last k-block.
+// kKGrouped (the MoE weight gradient): G GEMMs out[g] = c[g] + A_g . B_g^T, out and c [G, M, N];
+//   group g's K_g = ks[g] (read on the device, clamped to the columns that remain) spans k-blocks
+//   [s_g, s_g + ceil(K_g/128)) of A [M, 128 * S] and B [N, 128 * S], s_g = sum over h < g of
+//   ceil(K_h/128): every group starts on a k-block, the columns past K_g of its last k-block are
+//   zero, and its scales are columns s_g.. of sa and sb (the host pads A and B so when the
+//   groups' K are not all multiples of 128). A group with K_g = 0 writes c[g] (or zeros).
+// Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
+// (BLOCK_M = 128) math warpgroups through a ring of kNumStages shared-memory stages; every stage
+// carries its k-block of A and B and their scales (BLOCK_M and BLOCK_N floats).
+#pragma once
+
+#include "sm90_utils.cuh"
+#include "sm90_wgmma_fp8.cuh"
+#include "sm90_scheduler.cuh"
+
+namespace fp8gemm {
+
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
+struct Sm90Fp8Gemm1d1dLayout {
+  static constexpr uint32_t BLOCK_K = 128;
+  static constexpr uint32_t kNumMathThreads = BLOCK_M == 64 ? 128 : 256;
+  // NOTE: TMA writes shared memory at 128-byte aligned addresses: a stage's scales take a
+  // multiple of 32 floats.
+  static constexpr uint32_t kSaStage = ceil_div(BLOCK_M, 32u) * 32;  // floats per stage
+  static constexpr uint32_t kSbStage = ceil_div(BLOCK_N, 32u) * 32;
+  // Shared memory, in carve-up order (A and B tiles are multiples of 1024 bytes, so the TMA
+  // destinations of the 128-byte swizzle stay 1024-byte aligned).
+  static constexpr uint32_t SMEM_A = BLOCK_M * BLOCK_K;
+  static constexpr uint32_t SMEM_B = BLOCK_N * BLOCK_K;
+  static constexpr uint32_t SMEM_SA = kSaStage * 4;
+  static constexpr uint32_t SMEM_SB = kSbStage * 4;
+  static constexpr uint32_t SMEM_BARRIERS = 2 * kNumStages * 8;
+  // 1024 bytes of slack to align the dynamic shared-memory base.
+  static constexpr uint32_t kSmemBytes =
+      1024 + kNumStages * (SMEM_A + SMEM_B + SMEM_SA + SMEM_SB) + SMEM_BARRIERS;
+};
+
+// One output tile and its k-blocks: rows [m0, m0 + BLOCK_M) of group `group`, k-blocks
+// [kb0, kb0 + num_kb) of A, B and their scales.
+struct Tile1d1d {
+  int32_t m0;
+  uint32_t n_block, group, kb0, num_kb;
+};
+
+// The tiles of a CTA. Dense: the dense TileScheduler's walk, every tile with all of K.
+// K-grouped: tile t of the sequence is tile t % (tiles per group) of group t / (tiles per group),
+// each group banded as a dense GEMM; the walk keeps the running K and k-block offsets of the
+// groups it has passed (CTAs visit tiles in increasing order), reading ks as it goes.
+template <bool kKGrouped, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize>
+struct Scheduler1d1d {
+  using Dense = TileScheduler<kKindDense, BLOCK_M, kNumNBlocks, kBandSize, false>;
+  Dense dense;
+  const int32_t* ks;
+  uint32_t num_groups, num_m_blocks, shape_k, next_tile;
+  uint32_t group, k_off, kb_off;  // the first group not passed yet, and where it starts
+
+  __device__ __forceinline__ Scheduler1d1d(uint32_t shape_m, uint32_t shape_k_, const int32_t* ks_,
+                                           uint32_t num_groups_)
+      : dense(shape_m, nullptr, 1), ks(ks_), num_groups(num_groups_),
+        num_m_blocks(ceil_div(shape_m, BLOCK_M)), shape_k(shape_k_), next_tile(blockIdx.x),
+        group(0), k_off(0), kb_off(0) {}
+
+  // K of group g starting at column k_off: ks[g] clamped to [0, shape_k - k_off].
+  __device__ __forceinline__ uint32_t group_k(uint32_t g) const {
+    const int32_t k = __ldg(ks + g);
+    const uint32_t left = shape_k - k_off;
+    return k <= 0 ? 0u : (static_cast<uint32_t>(k) < left ? static_cast<uint32_t>(k) : left);
+  }
+
+  __device__ __forceinline__ bool next(Tile1d1d& t) {
+    if constexpr (!kKGrouped) {
+      Tile tile;
+      if (!dense.next(tile)) return false;
+      t.m0 = tile.m0, t.n_block = tile.n_block, t.group = 0, t.kb0 = 0;
+      t.num_kb = ceil_div(shape_k, 128u);
+      return true;
+    } else {
+      const uint32_t tiles_per_group = num_m_blocks * kNumNBlocks;
+      if (next_tile >= tiles_per_group * num_groups) return false;
+      const uint32_t g = next_tile / tiles_per_group;
+      for (; group < g; ++group) {
+        const uint32_t k = group_k(group);
+        k_off += k, kb_off += ceil_div(k, 128u);
+      }
+      uint32_t m_block, n_block;
+      Dense::tile_coords(next_tile - g * tiles_per_group, num_m_blocks, m_block, n_block);
+      next_tile += gridDim.x;
+      t.m0 = static_cast<int32_t>(m_block * BLOCK_M), t.n_block = n_block, t.group = g;
+      t.kb0 = kb_off, t.num_kb = ceil_div(group_k(g), 128u);
+      return true;
+    }
+  }
+};
+
+// Two floats of adjacent columns, one 8-byte shared-memory load.
+struct alignas(8) Float2 {
+  float x, y;
+};
+
+template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
+          uint32_t kNumStages, uint32_t kBandSize>
+__global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
+sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
+                          uint32_t num_groups, const float* c, float* out,
+                          const __grid_constant__ TmaDescriptor tmap_a,
+                          const __grid_constant__ TmaDescriptor tmap_b,
+                          const __grid_constant__ TmaDescriptor tmap_sa,
+                          const __grid_constant__ TmaDescriptor tmap_sb) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Layout = Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>;
+  constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
+  constexpr uint32_t WGMMA_M = 64;
+  constexpr uint32_t kNumMathThreads = Layout::kNumMathThreads;
+  constexpr uint32_t kNumMathWarps = kNumMathThreads / 32;
+  constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+  constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
+  constexpr uint32_t kNumKSteps = BLOCK_K / 32;
+  constexpr uint32_t kNumColGroups = BLOCK_N / 8;  // 8-column groups of the wgmma fragment
+  // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
+  // warpgroups, which hold the wgmma accumulator, the FP32 sums (BLOCK_N/2 floats each) and the
+  // stage's B scales of their columns (BLOCK_N/4). 128 * 40 + 256 * 232 fits the 64K-register
+  // file; one math warpgroup (BLOCK_M = 64) can take 256.
+  constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
+
+  // --- static checks ----------------------------------------------------------------------------
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups of 64 rows each");
+  // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
+  static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
+  static_assert(kNumStages >= 2, "at least double buffering");
+  static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
+
+  // Guard against a host whose idea of the shared-memory size disagrees with this layout.
+  uint32_t dyn_smem;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  if (dyn_smem < Layout::kSmemBytes) asm volatile("trap;");
+
+  // --- shared-memory carve-up -------------------------------------------------------------------
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem_a + kNumStages * Layout::SMEM_A;
+  float* smem_sa = reinterpret_cast<float*>(smem_b + kNumStages * Layout::SMEM_B);
+  float* smem_sb = smem_sa + kNumStages * Layout::kSaStage;
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_sb + kNumStages * Layout::kSbStage);
+  uint64_t* empty_bar = full_bar + kNumStages;
+
+  // NOTE: broadcast from lane 0 so that the compiler knows it is warp-uniform (the wgmma
+  // descriptors derived from it then live in uniform registers).
+  const uint32_t warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const uint32_t lane = lane_idx();
+
+  // --- barrier setup ----------------------------------------------------------------------------
+  if (threadIdx.x == kNumMathThreads) {
+    tma_prefetch_descriptor(&tmap_a);
+    tma_prefetch_descriptor(&tmap_b);
+    tma_prefetch_descriptor(&tmap_sa);
+    tma_prefetch_descriptor(&tmap_sb);
+  }
+  if (threadIdx.x == 0) {
+    for (uint32_t s = 0; s < kNumStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], kNumMathWarps);  // one arrival per math warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  Scheduler1d1d<kKGrouped, BLOCK_M, kNumNBlocks, kBandSize> scheduler(shape_m, shape_k, ks,
+                                                                       num_groups);
+  Tile1d1d tile;
+
+  if (warpgroup == kNumMathThreads / 128) {
+    // --- producer: one thread issues every TMA load ---------------------------------------------
+    warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == kNumMathThreads) {
+      // NOTE: below BLOCK_M rows the host's A map has a box of M rows (TMA's zero fill of rows
+      // past M is slow); the stale rows in shared memory only feed output rows never stored.
+      const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
+      const uint32_t stage_tx_bytes =
+          a_rows * BLOCK_K + Layout::SMEM_B + (BLOCK_M + BLOCK_N) * 4;
+      uint32_t stage = 0, phase = 0;
+      while (scheduler.next(tile)) {
+        const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
+        for (uint32_t i = 0; i < tile.num_kb; ++i) {
+          mbar_wait(&empty_bar[stage], phase ^ 1);
+          uint64_t* bar = &full_bar[stage];
+          mbar_arrive_expect_tx(bar, stage_tx_bytes);
+          const int32_t kb = static_cast<int32_t>(tile.kb0 + i);
+          tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, kb * static_cast<int32_t>(BLOCK_K), m0);
+          tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, kb * static_cast<int32_t>(BLOCK_K), n0);
+          tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, m0, kb);
+          tma_load_2d(smem_sb + stage * Layout::kSbStage, &tmap_sb, bar, n0, kb);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+      }
+    }
+  } else {
+    // --- consumers: wgmma per k-block, promotion with sa[row] * sb[col], epilogue ---------------
+    warpgroup_reg_alloc<kMathRegs>();
+    const uint32_t warp_in_wg = (threadIdx.x / 32) % 4;
+    // This thread's accumulator rows are r0 and r0 + 8, its columns col_in_group and
+    // col_in_group + 1 of every 8-column group (wgmma D fragment layout).
+    const uint32_t r0 = warpgroup * WGMMA_M + warp_in_wg * 16 + lane / 4;
+    const uint32_t col_in_group = (lane % 4) * 2;
+    const float* sa_rows = smem_sa + r0;
+    const float* sb_cols = smem_sb + col_in_group;
+    // wgmma descriptors of stage 0: this warpgroup's A rows, and B. Another stage sits whole
+    // multiples of 16 bytes further, added to the descriptor's 14-bit address field, which
+    // cannot carry out: shared memory ends below 256 KB.
+    const uint64_t desc_a0 = make_smem_desc_sw128(smem_a + warpgroup * WGMMA_M * BLOCK_K);
+    const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
+    uint32_t stage = 0, phase = 0;
+    float acc[kNumAccum], final_acc[kNumAccum];
+
+    while (scheduler.next(tile)) {
+      const uint32_t row0 = static_cast<uint32_t>(tile.m0) + r0;
+      const uint32_t col0 = tile.n_block * BLOCK_N + col_in_group;
+      // This tile's group's [M, N] of out and c.
+      const uint64_t group_off = static_cast<uint64_t>(tile.group) * shape_m * SHAPE_N;
+      // The FP32 sums start from c (each thread reads exactly the elements it later writes, so
+      // c may be out).
+      // NOTE: the loads are waited for at the first promotion, so they run under the first
+      // k-block's barrier wait and wgmma. Issued after the wgmma instead, they made ptxas spill
+      // (the accumulator in flight and 64 more live values).
+      if (c != nullptr) {
+#pragma unroll
+        for (uint32_t g = 0; g < kNumColGroups; ++g) {
+          const uint32_t col = col0 + g * 8;
+#pragma unroll
+          for (uint32_t h = 0; h < 2; ++h) {
+            const uint32_t row = row0 + h * 8;
+            const bool ok = row < shape_m && col < SHAPE_N;
+            const float* src = c + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
+            final_acc[4 * g + 2 * h + 0] = ok ? src[0] : 0.0f;
+            final_acc[4 * g + 2 * h + 1] = ok && col + 1 < SHAPE_N ? src[1] : 0.0f;
+          }
+        }
+      } else {
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
+      }
+
+      for (uint32_t i = 0; i < tile.num_kb; ++i) {
+        mbar_wait(&full_bar[stage], phase);
+        const uint64_t desc_a = desc_a0 + stage * (Layout::SMEM_A / 16);
+        const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+        // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2; the
+        // first starts a fresh partial sum (one scale block per k-block).
+#pragma unroll
+        for (uint32_t k = 0; k < kNumKSteps; ++k)
+          WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+        wgmma_commit();
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+        // NOTE: the scales are read while the wgmma runs, off the critical path.
+        const float sa0 = sa_rows[stage * Layout::kSaStage];
+        const float sa1 = sa_rows[stage * Layout::kSaStage + 8];
+        Float2 sb[kNumColGroups];
+#pragma unroll
+        for (uint32_t g = 0; g < kNumColGroups; ++g)
+          sb[g] = *reinterpret_cast<const Float2*>(sb_cols + stage * Layout::kSbStage + g * 8);
+        wgmma_wait<0>();
+        // The stage is free once this warp's wgmma and scale reads are done.
+        if (lane == 0) mbar_arrive(&empty_bar[stage]);
+        // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128
+        // of K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col].
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+#pragma unroll
+        for (uint32_t g = 0; g < kNumColGroups; ++g) {
+          final_acc[4 * g + 0] = fmaf(acc[4 * g + 0], sa0 * sb[g].x, final_acc[4 * g + 0]);
+          final_acc[4 * g + 1] = fmaf(acc[4 * g + 1], sa0 * sb[g].y, final_acc[4 * g + 1]);
+          final_acc[4 * g + 2] = fmaf(acc[4 * g + 2], sa1 * sb[g].x, final_acc[4 * g + 2]);
+          final_acc[4 * g + 3] = fmaf(acc[4 * g + 3], sa1 * sb[g].y, final_acc[4 * g + 3]);
+        }
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+      }
+
+      // --- epilogue: the FP32 sums straight to global memory -------------------------------------
+      // NOTE: a warp's store writes 8 rows x 32 contiguous bytes, whole 32-byte sectors; staging
+      // an FP32 tile in shared memory would cost BLOCK_M * BLOCK_N * 4 bytes of pipeline stages.
+#pragma unroll
+      for (uint32_t g = 0; g < kNumColGroups; ++g) {
+        const uint32_t col = col0 + g * 8;
+#pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+          const uint32_t row = row0 + h * 8;
+          if (row >= shape_m || col >= SHAPE_N) continue;
+          float* dst = out + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
+          const float v0 = final_acc[4 * g + 2 * h + 0], v1 = final_acc[4 * g + 2 * h + 1];
+          if constexpr (SHAPE_N % 2 == 0) {
+            // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
+            asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+          } else {
+            dst[0] = v0;
+            if (col + 1 < SHAPE_N) dst[1] = v1;
+          }
+        }
+      }
+    }
+  }
+#else
+  // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg).
+  if (blockIdx.x == 0 && threadIdx.x == 0) asm volatile("trap;");
+#endif
+}
+
+}  // namespace fp8gemm
