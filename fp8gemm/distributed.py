@@ -3,8 +3,8 @@
 Rank r of a group of W ranks holds the L = G / W experts [r * L, (r + 1) * L) of a G-expert
 SwiGLU MoE (`fp8gemm.nn.Fp8MoE` for its local experts). One step, on every rank at once:
 
-    quantise x once per 1x128 group -> pack each token into one wire row (fp8 bytes + float32
-    scales) -> group the (token, slot) rows by destination rank -> all_to_all_single -> group the
+    quantise x once per 1x128 group -> pack each token into one wire row (fp8 bytes, float32
+    scales, local expert id) -> group the (token, slot) rows by destination rank -> all_to_all_single -> group the
     received rows by local expert -> grouped FP8 GEMMs -> rows back in received order ->
     all_to_all_single back -> sum over each token's slots times its router weights.
 
@@ -13,6 +13,7 @@ Two layouts, as for Fp8MoE:
 - "contiguous" (prefill): uneven splits. The per-destination row counts are exchanged first
   (all_to_all_single on a [W] count tensor) and read on the host to size the transfer; the
   local experts run the contiguous grouped GEMM. Any number of tokens per rank, 0 included.
+  Three small host reads per step: the sizes of the two dispatches and the exchanged counts.
 - "masked" (decode): every buffer has a fixed size and the counts stay on the device, so the
   step never synchronises with the host and can be captured in a CUDA graph. A rank sends at
   most `capacity` rows to each rank (W equal splits of `capacity` rows) and each local expert
@@ -26,7 +27,10 @@ Two layouts, as for Fp8MoE:
 The wire row (`WireFormat`) carries the fp8 bytes, the float32 scales and the slot's local
 expert id as raw bytes in one uint8 tensor, so one collective moves all three, and every
 transport can carry it (gloo has no fp8 types; NCCL gets the same bytes). Results travel back
-in bf16 (the grouped GEMMs' output).
+in bf16 (the grouped GEMMs' output). The fp8 part of the received rows is a strided view
+(row stride row_bytes); the grouped ops copy it to a contiguous [R, H] matrix before their
+kernels run (an extra R * H bytes read and written, about 5 % of the expert GEMMs' time at
+DeepSeek-V3 prefill shapes by the H200's copy bandwidth and GEMM rate, not measured).
 
 Overlap and SM reservation: NCCL's kernels take SMs of their own while they run. To run a
 transfer beside the GEMMs, reserve SMs for it with `fp8gemm.set_num_sms(total - reserved)`
@@ -303,7 +307,8 @@ class Fp8EPMoE(nn.Module):
         dist.all_to_all_single(recv, send.x, recv_splits, send_splits, group=self.group)
         _, _, recv_ids = self.wire.unpack(recv)
         experts = moe_dispatch_contiguous(recv, recv_ids[:, None], l)
-        counts = torch.bincount(recv_ids.long(), minlength=l)  # (every row sent is routed)
+        counts = torch.zeros(l, dtype=torch.int64, device=rows.device)
+        counts.scatter_add_(0, recv_ids.long(), torch.ones_like(recv_ids, dtype=torch.int64))
         dropped = torch.zeros(2, dtype=torch.int64, device=rows.device)
         return EpStep("contiguous", send, recv, experts, counts.to(torch.int32),
                       (send_splits, recv_splits), dropped, topk_weights, out_dtype, 0)
