@@ -9,7 +9,9 @@ contiguous layout; ranks hold different numbers of tokens) and one decode step (
 layout, fixed capacity; captured and replayed as a CUDA graph on a GPU), checks both against
 the one-process Fp8MoE holding every expert, and rank 0 prints what each rank saw and the time
 of each stage (dispatch: quantise + all-to-all; compute: the local experts' grouped GEMMs;
-combine: all-to-all back + weighted sum).
+combine: all-to-all back + weighted sum). On GPUs `--bench` adds the median device time of
+each stage (cold L2, as `python -m fp8gemm.bench` times), of the decode graph, and of the same
+expert GEMMs run alone on the rows the rank received.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=96, help="on rank 0; rank r has r*7 more")
     p.add_argument("--decode-tokens", type=int, default=16, help="on every rank")
     p.add_argument("--capacity", type=int, default=None, help="decode rows per destination rank")
+    p.add_argument("--bench", action="store_true",
+                   help="GPUs: device time of each stage (median, cold L2), of the decode graph, "
+                        "and of the same expert GEMMs run alone on the received rows")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -96,6 +101,7 @@ def main() -> None:
     lines.append(f"decode:  {x.shape[0]} tokens, rows per local expert "
                  f"{step.tokens_per_expert.tolist()}, dropped {dropped[0]} sent + {dropped[1]} "
                  f"received; calc_diff vs one process {diff:.1e}; " + _ms(times))
+    graph = None
     if cuda:  # the whole decode step as one CUDA graph (fixed buffers, no host sync)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -108,6 +114,10 @@ def main() -> None:
         graph.replay()
         sync()
         lines.append(f"decode graph replay equals eager: {torch.equal(out, y)}")
+    if args.bench and cuda:
+        prefill = (torch.randn(args.prefill_tokens, h, device=device, dtype=torch.bfloat16),)
+        prefill += route(prefill[0], gate, k)
+        lines += bench(ep, prefill, (x, ids, wts), args.capacity, graph)
 
     report = [None] * world
     dist.all_gather_object(report, lines)
@@ -118,6 +128,44 @@ def main() -> None:
             for line in rank_lines:
                 print(f"[rank {r}] {line}")
     dist.destroy_process_group()
+
+
+def bench(ep: Fp8EPMoE, prefill, decode, capacity, graph) -> list[str]:
+    """Median device time (us) of each stage at prefill and decode, of the decode graph's
+    replay, and of the local expert GEMMs alone on the rows this rank received (contiguous
+    copies: the one-GPU reference of `compute`). Every rank times the same calls in the same
+    order, so the collectives pair up."""
+    from fp8gemm.bench.timing import DeviceTimer, eager_time_us, median
+    from fp8gemm.layout import get_col_major_tma_aligned_tensor
+
+    device = prefill[0].device
+    timer = DeviceTimer(device)
+    lines = []
+    for name, (x, ids, wts), kw in (("prefill", prefill, {"layout": "contiguous"}),
+                                    ("decode", decode, {"layout": "masked",
+                                                        "capacity": capacity})):
+        step = ep.dispatch(x, ids, wts, **kw)
+        y_recv = ep.compute(step)
+        a, sa, _ = ep.wire.unpack(step.experts.x)
+        a, sa = a.contiguous(), get_col_major_tma_aligned_tensor(sa)
+        if step.layout == "contiguous":
+            def alone():
+                return ep.experts.experts_grouped(a, sa, step.experts.m_indices)
+        else:
+            def alone():
+                return ep.experts.experts_masked(a, sa, step.tokens_per_expert, step.expected_m)
+        calls = {"dispatch": lambda: ep.dispatch(x, ids, wts, **kw),
+                 "compute": lambda: ep.compute(step),
+                 "combine": lambda: ep.combine(step, y_recv),
+                 "experts alone": alone}
+        if name == "decode" and graph is not None:
+            calls["graph step"] = graph.replay
+        hosts = [eager_time_us(fn, device, calls=5).host_us for fn in calls.values()]
+        runs = timer.time_interleaved_us([(fn, hu, 0.0) for fn, hu in zip(calls.values(), hosts)])
+        us = {n: median(r) for n, r in zip(calls, runs)}
+        lines.append(f"{name} device us: " + ", ".join(f"{n} {v:.1f}" for n, v in us.items())
+                     + f"; compute / experts alone {us['compute'] / us['experts alone']:.3f}")
+    return lines
 
 
 def _ms(times: dict) -> str:
