@@ -75,14 +75,17 @@ def main() -> None:
     h, i, k = args.hidden, args.intermediate, args.topk
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    gen = torch.Generator().manual_seed(0)  # the same weights and gate on every rank
-    w13 = (torch.randn(g, 2 * i, h, generator=gen) / 16).to(device)
-    w2 = (torch.randn(g, h, i, generator=gen) / 16).to(device)
-    gate = torch.randn(g, h, generator=gen).to(device)
+    # the same weights and gate on every rank, drawn on the device in bf16 (DeepSeek-V3's 256
+    # experts are 22 GB in bf16: too many to draw on the host once per rank)
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(g, 2 * i, h, generator=gen, device=device, dtype=torch.bfloat16) / 16
+    w2 = torch.randn(g, h, i, generator=gen, device=device, dtype=torch.bfloat16) / 16
+    gate = torch.randn(g, h, generator=gen, device=device)
     ep = Fp8EPMoE(g, h, i, device=device)
     ep.load_weights(w13, w2)
     full = Fp8MoE(g, h, i, device=device)  # the one-process layer, for the check
     full.load_weights(w13, w2)
+    del w13, w2
 
     torch.manual_seed(1 + rank)  # each rank its own tokens
     lines = []
