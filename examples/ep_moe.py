@@ -41,10 +41,10 @@ def timed_step(ep: Fp8EPMoE, x, ids, wts, sync, **kw):
     step = ep.dispatch(x, ids, wts, **kw)
     sync()
     t1 = time.perf_counter()
-    y_recv = ep.compute(step)
+    y = ep.compute(step)
     sync()
     t2 = time.perf_counter()
-    out = ep.combine(step, y_recv)
+    out = ep.combine(step, y)
     sync()
     times = {"dispatch": t1 - t0, "compute": t2 - t1, "combine": time.perf_counter() - t2}
     return out, step, times
@@ -120,7 +120,7 @@ def main() -> None:
     if args.bench and cuda:
         prefill = (torch.randn(args.prefill_tokens, h, device=device, dtype=torch.bfloat16),)
         prefill += route(prefill[0], gate, k)
-        lines += bench(ep, prefill, (x, ids, wts), args.capacity, graph)
+        lines += bench(ep, full, prefill, (x, ids, wts), args.capacity, graph)
 
     report = [None] * world
     dist.all_gather_object(report, lines)
@@ -133,11 +133,12 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def bench(ep: Fp8EPMoE, prefill, decode, capacity, graph) -> list[str]:
+def bench(ep: Fp8EPMoE, full: Fp8MoE, prefill, decode, capacity, graph) -> list[str]:
     """Median device time (us) of each stage at prefill and decode, of the decode graph's
-    replay, and of the local expert GEMMs alone on the rows this rank received (contiguous
-    copies: the one-GPU reference of `compute`). Every rank times the same calls in the same
-    order, so the collectives pair up."""
+    replay, of the local expert GEMMs alone on the rows this rank received (scales in the
+    quantiser's column-major layout, as the one-GPU layer has them: the reference of
+    `compute`), and of the one-GPU Fp8MoE holding every expert on this rank's tokens. Every
+    rank times the same calls in the same order, so the collectives pair up."""
     from fp8gemm.bench.timing import DeviceTimer, eager_time_us, median
     from fp8gemm.layout import get_col_major_tma_aligned_tensor
 
@@ -148,9 +149,8 @@ def bench(ep: Fp8EPMoE, prefill, decode, capacity, graph) -> list[str]:
                                     ("decode", decode, {"layout": "masked",
                                                         "capacity": capacity})):
         step = ep.dispatch(x, ids, wts, **kw)
-        y_recv = ep.compute(step)
-        a, sa, _ = ep.wire.unpack(step.experts.x)
-        a, sa = a.contiguous(), get_col_major_tma_aligned_tensor(sa)
+        y = ep.compute(step)
+        a, sa = step.a, get_col_major_tma_aligned_tensor(step.sa)
         if step.layout == "contiguous":
             def alone():
                 return ep.experts.experts_grouped(a, sa, step.experts.m_indices)
@@ -159,8 +159,9 @@ def bench(ep: Fp8EPMoE, prefill, decode, capacity, graph) -> list[str]:
                 return ep.experts.experts_masked(a, sa, step.tokens_per_expert, step.expected_m)
         calls = {"dispatch": lambda: ep.dispatch(x, ids, wts, **kw),
                  "compute": lambda: ep.compute(step),
-                 "combine": lambda: ep.combine(step, y_recv),
-                 "experts alone": alone}
+                 "combine": lambda: ep.combine(step, y),
+                 "experts alone": alone,
+                 "one-GPU layer": lambda: full(x, ids, wts, layout=kw["layout"])}
         if name == "decode" and graph is not None:
             calls["graph step"] = graph.replay
         hosts = [eager_time_us(fn, device, calls=5).host_us for fn in calls.values()]

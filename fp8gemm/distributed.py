@@ -27,10 +27,9 @@ Two layouts, as for Fp8MoE:
 The wire row (`WireFormat`) carries the fp8 bytes, the float32 scales and the slot's local
 expert id as raw bytes in one uint8 tensor, so one collective moves all three, and every
 transport can carry it (gloo has no fp8 types; NCCL gets the same bytes). Results travel back
-in bf16 (the grouped GEMMs' output). The fp8 part of the received rows is a strided view
-(row stride row_bytes); the grouped ops copy it to a contiguous [R, H] matrix before their
-kernels run (an extra R * H bytes read and written, about 5 % of the expert GEMMs' time at
-DeepSeek-V3 prefill shapes by the H200's copy bandwidth and GEMM rate, not measured).
+in bf16 (the grouped GEMMs' output). The received rows are grouped by expert into a
+contiguous fp8 matrix and its scales, so `compute` is the grouped GEMMs alone; moving the
+outputs back into received order is part of `combine`.
 
 Overlap and SM reservation: NCCL's kernels take SMs of their own while they run. To run a
 transfer beside the GEMMs, reserve SMs for it with `fp8gemm.set_num_sms(total - reserved)`
@@ -130,8 +129,11 @@ class EpStep:
 
     send: this rank's (token, slot) rows grouped by destination rank (the `fp8gemm.moe`
     layout whose `row_of_slot` the combine reads); recv: uint8 [R, row_bytes] rows received;
-    experts: the received rows grouped by local expert; tokens_per_expert: int32 [L] rows
-    each local expert computes, on the device; splits: (send, recv) row counts per rank
+    experts: the layout of the received rows grouped by local expert (its `row_of_slot`
+    [R, 1] maps each received row to its row there, -1 for an empty or dropped one), with
+    a, sa the rows' fp8 values and float32 scales in that layout (contiguous [R', H] and
+    [R', ceil(H/128)], or masked [L, Mmax, H] and [L, Mmax, ceil(H/128)]);
+    tokens_per_expert: int32 [L] rows each local expert computes, on the device; splits: (send, recv) row counts per rank
     (contiguous layout; None for masked); dropped: int64 [2] on the device, this step's rows
     dropped for `capacity` (sent by this rank) and for `expert_capacity` (received by it)."""
 
@@ -139,6 +141,8 @@ class EpStep:
     send: ContiguousLayout | MaskedLayout
     recv: torch.Tensor
     experts: ContiguousLayout | MaskedLayout
+    a: torch.Tensor
+    sa: torch.Tensor
     tokens_per_expert: torch.Tensor
     splits: tuple[list[int], list[int]] | None
     dropped: torch.Tensor
@@ -246,24 +250,25 @@ class Fp8EPMoE(nn.Module):
                                      capacity, expert_capacity, expected_m)
 
     def compute(self, step: EpStep) -> torch.Tensor:
-        """The local experts on the received rows -> bf16 [R, H] in received order (zero for
-        an empty or dropped row)."""
-        a, sa, _ = self.wire.unpack(step.experts.x)
+        """The local experts' grouped GEMMs on the received rows -> bf16 in the expert layout
+        ([R', H] contiguous or [L, Mmax, H] masked): exactly what the one-process layer runs
+        on the same rows."""
         if step.layout == "contiguous":
-            y = self.experts.experts_grouped(a, sa, step.experts.m_indices, "contiguous")
-        else:
-            y = self.experts.experts_masked(a, sa, step.tokens_per_expert, step.expected_m)
+            return self.experts.experts_grouped(step.a, step.sa, step.experts.m_indices,
+                                                "contiguous")
+        return self.experts.experts_masked(step.a, step.sa, step.tokens_per_expert,
+                                           step.expected_m)
+
+    def combine(self, step: EpStep, y: torch.Tensor) -> torch.Tensor:
+        """Put the expert outputs y (from `compute(step)`) back in received order, send them
+        back and sum each token's slots times its router weights -> [T, H] in x's dtype."""
+        dist = _distributed()
         y = y.reshape(-1, self.hidden)
         row = step.experts.row_of_slot[:, 0]  # each received row's row in the expert layout
         if y.shape[0] == 0:  # no local rows: every received row gets zeros
-            return y.new_zeros(row.shape[0], self.hidden)
-        # NOTE: select, not multiply: a masked row past masked_m is unwritten (may be NaN).
-        return torch.where((row >= 0)[:, None], y[row.clamp_min(0)], 0.0)
-
-    def combine(self, step: EpStep, y_recv: torch.Tensor) -> torch.Tensor:
-        """Send the expert outputs y_recv (from `compute(step)`) back and sum each token's
-        slots times its router weights -> [T, H] in x's dtype."""
-        dist = _distributed()
+            y_recv = y.new_zeros(row.shape[0], self.hidden)
+        else:  # NOTE: select, not multiply: a masked row past masked_m is unwritten (may be NaN)
+            y_recv = torch.where((row >= 0)[:, None], y[row.clamp_min(0)], 0.0)
         if step.layout == "contiguous":
             send_splits, recv_splits = step.splits
             back = y_recv.new_empty(sum(send_splits), self.hidden)
@@ -293,6 +298,21 @@ class Fp8EPMoE(nn.Module):
             raise ValueError(f"topk_weights must have topk_ids' shape {list(topk_ids.shape)}, got "
                              f"{list(getattr(topk_weights, 'shape', [])) or type(topk_weights)}")
 
+    def _by_expert(self, recv: torch.Tensor, expert_capacity: int | None):
+        """Received wire rows -> (layout by local expert, fp8 values and scales in it, each
+        row's local expert). The values and the scales are grouped apart (one helper call
+        each), so the GEMMs read a contiguous fp8 matrix: grouping the whole wire rows would
+        leave a strided one, which the grouped ops copy before their kernels run."""
+        a, sa, ids = self.wire.unpack(recv)
+        l = self.local_experts
+        if expert_capacity is None:
+            lay = moe_dispatch_contiguous(a.view(torch.uint8), ids[:, None], l)
+            scales = moe_dispatch_contiguous(sa, ids[:, None], l).x
+        else:
+            lay = moe_dispatch_masked(a.view(torch.uint8), ids[:, None], l, expert_capacity)
+            scales = moe_dispatch_masked(sa, ids[:, None], l, expert_capacity).x
+        return lay, lay.x.view(self.wire.dtype), scales, ids
+
     def _dispatch_contiguous(self, rows, dest, local, topk_weights, out_dtype) -> EpStep:
         dist = _distributed()
         w, l = self.world_size, self.local_experts
@@ -305,12 +325,11 @@ class Fp8EPMoE(nn.Module):
         send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()
         recv = rows.new_empty(sum(recv_splits), self.wire.row_bytes)
         dist.all_to_all_single(recv, send.x, recv_splits, send_splits, group=self.group)
-        _, _, recv_ids = self.wire.unpack(recv)
-        experts = moe_dispatch_contiguous(recv, recv_ids[:, None], l)
+        experts, a, sa, recv_ids = self._by_expert(recv, None)
         counts = torch.zeros(l, dtype=torch.int64, device=rows.device)
         counts.scatter_add_(0, recv_ids.long(), torch.ones_like(recv_ids, dtype=torch.int64))
         dropped = torch.zeros(2, dtype=torch.int64, device=rows.device)
-        return EpStep("contiguous", send, recv, experts, counts.to(torch.int32),
+        return EpStep("contiguous", send, recv, experts, a, sa, counts.to(torch.int32),
                       (send_splits, recv_splits), dropped, topk_weights, out_dtype, 0)
 
     def _dispatch_masked(self, rows, dest, local, routed, topk_weights, out_dtype, capacity,
@@ -329,13 +348,12 @@ class Fp8EPMoE(nn.Module):
         recv = torch.empty_like(send.x)
         dist.all_to_all_single(recv, send.x, group=self.group)
         recv = recv.view(w * capacity, -1)
-        _, _, recv_ids = self.wire.unpack(recv)
-        experts = moe_dispatch_masked(recv, recv_ids[:, None], l, expert_capacity)
+        experts, a, sa, recv_ids = self._by_expert(recv, expert_capacity)
         dropped = torch.stack([(routed & (send.row_of_slot < 0)).sum(),
                                ((recv_ids >= 0) & (experts.row_of_slot[:, 0] < 0)).sum()])
         if expected_m is None:
             expected_m = max(1, min(expert_capacity, t * topk // l))
-        return EpStep("masked", send, recv, experts, experts.masked_m, None, dropped,
+        return EpStep("masked", send, recv, experts, a, sa, experts.masked_m, None, dropped,
                       topk_weights, out_dtype, expected_m)
 
 
