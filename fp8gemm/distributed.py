@@ -13,7 +13,8 @@ Two layouts, as for Fp8MoE:
 - "contiguous" (prefill): uneven splits. The per-destination row counts are exchanged first
   (all_to_all_single on a [W] count tensor) and read on the host to size the transfer; the
   local experts run the contiguous grouped GEMM. Any number of tokens per rank, 0 included.
-  Three small host reads per step: the sizes of the two dispatches and the exchanged counts.
+  Four small host reads per step: the exchanged counts and the sizes of the three
+  dispatches (by rank; values and scales by expert).
 - "masked" (decode): every buffer has a fixed size and the counts stay on the device, so the
   step never synchronises with the host and can be captured in a CUDA graph. A rank sends at
   most `capacity` rows to each rank (W equal splits of `capacity` rows) and each local expert
@@ -344,10 +345,11 @@ class Fp8EPMoE(nn.Module):
         _check_count("expert_capacity", expert_capacity)
         # [W, capacity, row] send buffers; slots past capacity for a rank are dropped
         send = moe_dispatch_masked(rows, dest, w, capacity)
-        self.wire.write_ids(send.x.view(w * capacity, -1), send.row_of_slot, local)
+        self.wire.write_ids(send.x.view(w * capacity, self.wire.row_bytes), send.row_of_slot,
+                            local)
         recv = torch.empty_like(send.x)
         dist.all_to_all_single(recv, send.x, group=self.group)
-        recv = recv.view(w * capacity, -1)
+        recv = recv.view(w * capacity, self.wire.row_bytes)
         experts, a, sa, recv_ids = self._by_expert(recv, expert_capacity)
         dropped = torch.stack([(routed & (send.row_of_slot < 0)).sum(),
                                ((recv_ids >= 0) & (experts.row_of_slot[:, 0] < 0)).sum()])

@@ -240,6 +240,15 @@ def test_ep_one_rank_equals_fp8_moe(one_rank_group):
         assert_close_diff(ep(x, ids, wts, layout=layout), moe(x, ids, wts, layout=layout),
                           EP_DIFF, layout)
     assert ep(x, ids, wts).dtype == torch.bfloat16 and ep(x.float(), ids, wts).dtype == torch.float32
+    # capacity 0: every slot dropped (and counted), the output zero; a batch of no tokens
+    step = ep.dispatch(x, ids, wts, layout="masked", capacity=0)
+    assert step.dropped.tolist() == [11 * TOPK, 0]
+    assert torch.equal(ep.combine(step, ep.compute(step)), torch.zeros_like(x))
+    step = ep.dispatch(x, ids, wts, layout="masked", capacity=40, expert_capacity=0)
+    assert step.dropped.tolist() == [0, 11 * TOPK]
+    assert torch.equal(ep.combine(step, ep.compute(step)), torch.zeros_like(x))
+    for layout in ("contiguous", "masked"):
+        assert ep(x[:0], ids[:0], wts[:0], layout=layout).shape == (0, HIDDEN)
 
 
 def test_ep_argument_checks(one_rank_group):
