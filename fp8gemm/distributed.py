@@ -4,9 +4,10 @@ Rank r of a group of W ranks holds the L = G / W experts [r * L, (r + 1) * L) of
 SwiGLU MoE (`fp8gemm.nn.Fp8MoE` for its local experts). One step, on every rank at once:
 
     quantise x once per 1x128 group -> pack each token into one wire row (fp8 bytes, float32
-    scales, local expert id) -> group the (token, slot) rows by destination rank -> all_to_all_single -> group the
-    received rows by local expert -> grouped FP8 GEMMs -> rows back in received order ->
-    all_to_all_single back -> sum over each token's slots times its router weights.
+    scales, local expert id) -> group the (token, slot) rows by destination rank ->
+    all_to_all_single -> group the received rows by local expert -> grouped FP8 GEMMs ->
+    rows back in received order -> all_to_all_single back -> sum over each token's slots
+    times its router weights.
 
 Two layouts, as for Fp8MoE:
 
@@ -37,7 +38,10 @@ transfer beside the GEMMs, reserve SMs for it with `fp8gemm.set_num_sms(total - 
 (every persistent kernel then launches at most that many CTAs) and split the step into its
 three stages, `dispatch`, `compute`, `combine`, for two micro-batches: issue `compute` of one
 on the compute stream before `dispatch`/`combine` of the other on a second stream, so the
-all-to-all of one overlaps the GEMMs of the other.
+all-to-all of one overlaps the GEMMs of the other. The collectives run on NCCL's stream, ordered
+after the stream they are called from; the prefill's host reads wait for that stream only.
+`set_num_sms` is one setting for the process: set it before the GEMMs are first called (plans
+record the value they were chosen under).
 """
 
 from __future__ import annotations
@@ -134,8 +138,8 @@ class EpStep:
     [R, 1] maps each received row to its row there, -1 for an empty or dropped one), with
     a, sa the rows' fp8 values and float32 scales in that layout (contiguous [R', H] and
     [R', ceil(H/128)], or masked [L, Mmax, H] and [L, Mmax, ceil(H/128)]);
-    tokens_per_expert: int32 [L] rows each local expert computes, on the device; splits: (send, recv) row counts per rank
-    (contiguous layout; None for masked); dropped: int64 [2] on the device, this step's rows
+    tokens_per_expert: int32 [L] rows each local expert computes, on the device; splits:
+    (send, recv) row counts per rank (contiguous layout; None for masked); dropped: int64 [2] on the device, this step's rows
     dropped for `capacity` (sent by this rank) and for `expert_capacity` (received by it)."""
 
     layout: str

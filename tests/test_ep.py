@@ -239,7 +239,8 @@ def test_ep_one_rank_equals_fp8_moe(one_rank_group):
     for layout in ("contiguous", "masked"):
         assert_close_diff(ep(x, ids, wts, layout=layout), moe(x, ids, wts, layout=layout),
                           EP_DIFF, layout)
-    assert ep(x, ids, wts).dtype == torch.bfloat16 and ep(x.float(), ids, wts).dtype == torch.float32
+    assert ep(x, ids, wts).dtype == torch.bfloat16
+    assert ep(x.float(), ids, wts).dtype == torch.float32
     # capacity 0: every slot dropped (and counted), the output zero; a batch of no tokens
     step = ep.dispatch(x, ids, wts, layout="masked", capacity=0)
     assert step.dropped.tolist() == [11 * TOPK, 0]
