@@ -40,8 +40,8 @@ three stages, `dispatch`, `compute`, `combine`, for two micro-batches: issue `co
 on the compute stream before `dispatch`/`combine` of the other on a second stream, so the
 all-to-all of one overlaps the GEMMs of the other. The collectives run on NCCL's stream, ordered
 after the stream they are called from; the prefill's host reads wait for that stream only.
-`set_num_sms` is one setting for the process: set it before the GEMMs are first called (plans
-record the value they were chosen under).
+`set_num_sms` is one setting for the whole process; the kernels' configs are chosen again
+after it changes.
 """
 
 from __future__ import annotations
