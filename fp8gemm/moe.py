@@ -162,4 +162,4 @@ def moe_combine_masked(y: torch.Tensor, layout: MaskedLayout,
     g, mmax = layout.x.shape[:2]
     if y.dim() != 3 or tuple(y.shape[:2]) != (g, mmax):
         raise ValueError(f"y must be [G, Mmax, N] = [{g}, {mmax}, N], got {list(y.shape)}")
-    return _combine(y.reshape(g * mmax, -1), layout.row_of_slot, topk_weights)
+    return _combine(y.reshape(g * mmax, y.shape[-1]), layout.row_of_slot, topk_weights)

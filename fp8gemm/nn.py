@@ -570,15 +570,23 @@ class Fp8MoE(nn.Module):
         return self._forward_grouped(x, topk_ids, topk_weights, layout, weights)
 
     def _forward_masked(self, x, topk_ids, topk_weights, max_m, expected_m, weights):
-        w13, s13, w2, s2 = weights
         lay = moe_dispatch_masked(x, topk_ids, self.num_experts, max_m)
         em = expected_m if expected_m is not None else max(
             1, x.shape[0] * topk_ids.shape[1] // self.num_experts)
         a, sa = _ops.quantize_per_token(lay.x, self.fmt, self.pow2_scales)
-        h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, w13, s13, lay.masked_m, em, torch.bfloat16)
-        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
-        y = _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, w2, s2, lay.masked_m, em, torch.bfloat16)
+        y = self.experts_masked(a, sa, lay.masked_m, em, weights)
         return moe_combine_masked(y, lay, topk_weights).to(x.dtype)
+
+    def experts_masked(self, a, sa, masked_m, expected_m: int, weights=None) -> torch.Tensor:
+        """The experts on rows already quantised in the masked layout: a fp8 [G, Mmax, H] with
+        1x128 scales sa [G, Mmax, ceil(H/128)], masked_m int32 [G] on the device -> bf16
+        [G, Mmax, H] (rows past masked_m[g] unspecified). No host synchronisation."""
+        w13, s13, w2, s2 = self._fp8_weights() if weights is None else weights
+        h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, w13, s13, masked_m, expected_m,
+                                                torch.bfloat16)
+        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
+        return _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, w2, s2, masked_m, expected_m,
+                                                 torch.bfloat16)
 
     def _dispatch(self, x, topk_ids, layout):
         lay = moe_dispatch_contiguous(x, topk_ids, self.num_experts,
@@ -586,13 +594,22 @@ class Fp8MoE(nn.Module):
         return lay, (lay.m_indices if layout == "contiguous" else lay.offsets)
 
     def _forward_grouped(self, x, topk_ids, topk_weights, layout, weights):
-        w13, s13, w2, s2 = weights
         lay, rows_index = self._dispatch(x, topk_ids, layout)
         a, sa = _ops.quantize_per_token(lay.x, self.fmt, self.pow2_scales)
+        y = self.experts_grouped(a, sa, rows_index, layout, weights)
+        return moe_combine_contiguous(y, lay, topk_weights).to(x.dtype)
+
+    def experts_grouped(self, a, sa, rows_index, layout: str = "contiguous",
+                        weights=None) -> torch.Tensor:
+        """The experts on rows already quantised and grouped by expert: a fp8 [R, H] with 1x128
+        scales sa [R, ceil(H/128)]; rows_index is m_indices int32 [R] (-1 padding) for layout
+        "contiguous", offsets int32 [G + 1] for "offsets" -> bf16 [R, H] (padding rows zero)."""
+        if layout not in ("contiguous", "offsets"):
+            raise ValueError(f"layout must be 'contiguous' or 'offsets', got {layout!r}")
+        w13, s13, w2, s2 = self._fp8_weights() if weights is None else weights
         h13 = _grouped(a, sa, w13, s13, rows_index, layout)
         a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
-        y = _grouped(a2, sa2, w2, s2, rows_index, layout)
-        return moe_combine_contiguous(y, lay, topk_weights).to(x.dtype)
+        return _grouped(a2, sa2, w2, s2, rows_index, layout)
 
     def _forward_training(self, x, topk_ids, topk_weights, layout, weights):
         lay, rows_index = self._dispatch(x, topk_ids, layout)  # (differentiable in x)
