@@ -38,7 +38,8 @@ from fp8gemm.backends.cuda import FAMILIES  # noqa: E402
 from fp8gemm.backends.family import DeviceFacts  # noqa: E402
 from fp8gemm.bench.impls import cublas_block_probe, make_data, make_impl, reference_output  # noqa: E402
 from fp8gemm.bench.suites import Case  # noqa: E402
-from fp8gemm.bench.timing import DeviceTimer, MIN_DEVICE_RUNS, eager_time_us, geomean, median  # noqa: E402
+from fp8gemm.bench.timing import (DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS, eager_time_us,  # noqa: E402
+                                  geomean, median)
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E402
 
 M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         calls["cublas-block"] = make_impl("cublas-block", data, block_way).fn
         names = list(calls)
         times = timer.time_interleaved_us(
-            [(calls[x], eager_time_us(calls[x], dev).host_us) for x in names], args.runs)
+            [(calls[x], eager_time_us(calls[x], dev).host_us, MIN_BUSY_US) for x in names],
+            args.runs)
         us = {x: median(t) for x, t in zip(names, times)}
         for x in names:
             speedup = us["cublas-block"] / us[x]

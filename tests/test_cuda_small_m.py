@@ -152,8 +152,10 @@ def test_model_shape():
     assert sm.estimate_us(64, 2112, 7168, 64, 3) < sm.estimate_us(64, 2112, 7168, 64, 1)
     # The DRAM floor bounds the time from below whatever the split.
     assert sm.estimate_us(1, 2112, 7168, 8, 8) >= sm.FIXED_US + sm.dram_us(1, 2112, 7168)
-    # Cluster packing: 8-CTA clusters fill 14 of 16.5 slots on 132 SMs; pairs fill all.
-    assert sm.cluster_slots(8, 132) == 14 and sm.cluster_slots(2, 132) == 66
+    # Cluster packing: 8-CTA clusters 13 on 132 SMs (the H200's driver allows 14), 5-CTA 22
+    # (the driver's count); pairs fill all.
+    assert sm.cluster_slots(8, 132) == 13 and sm.cluster_slots(5, 132) == 22
+    assert sm.cluster_slots(2, 132) == 66
     assert sm.cluster_slots(1, 132) == 132
     assert sm.token_tiles(37) == (40, 24) and sm.token_tiles(256) == (128, 88)
     assert sm.token_tiles(1) == (8,)
