@@ -152,9 +152,10 @@ def test_model_shape():
     assert sm.estimate_us(64, 2112, 7168, 64, 3) < sm.estimate_us(64, 2112, 7168, 64, 1)
     # The DRAM floor bounds the time from below whatever the split.
     assert sm.estimate_us(1, 2112, 7168, 8, 8) >= sm.FIXED_US + sm.dram_us(1, 2112, 7168)
-    # Cluster packing: 8-CTA clusters 13 on 132 SMs (the H200's driver allows 14), 5-CTA 22
-    # (the driver's count); pairs fill all.
-    assert sm.cluster_slots(8, 132) == 13 and sm.cluster_slots(5, 132) == 22
+    # Cluster packing on 132 SMs: 6-CTA clusters 17 (the H200 driver's count), 5-CTA 20 (the
+    # driver allows 22), 8-CTA 12; pairs fill all.
+    assert sm.cluster_slots(6, 132) == 17 and sm.cluster_slots(5, 132) == 20
+    assert sm.cluster_slots(8, 132) == 12
     assert sm.cluster_slots(2, 132) == 66
     assert sm.cluster_slots(1, 132) == 132
     assert sm.token_tiles(37) == (40, 24) and sm.token_tiles(256) == (128, 88)
