@@ -3,12 +3,20 @@ current torch stream."""
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 
 from ... import jit
+from ..._settings import settings
 from ...layout import TMA_ALIGN_BYTES, get_col_major_tma_aligned_tensor
 
-__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch"]
+__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch", "cached_plan"]
+
+P = TypeVar("P")
+# Plans a family keeps (each holds a loaded kernel and its argument packs); a full cache starts
+# over rather than tracking use.
+PLAN_CAPACITY = 4096
 
 # Raw stream handles that are not real streams: NULL (legacy default), CU_STREAM_LEGACY,
 # CU_STREAM_PER_THREAD (cuda.h).
@@ -52,3 +60,17 @@ def launch(kernel: jit.Kernel, config: jit.LaunchConfig, device_index: int,
             kernel.launch(config, stream, pack)
     else:
         kernel.launch(config, stream, pack)
+
+
+def cached_plan(plans: dict, key: tuple, build: Callable[[], P], family: str, problem,
+                cfg) -> P:
+    """plans[key], built by `build()` on first use; a new plan's family and config are printed
+    under FP8GEMM_PRINT_CONFIGS (what is printed is what runs)."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= PLAN_CAPACITY:
+            plans.clear()
+        plan = plans[key] = build()
+        if settings.print_configs:
+            print(f"[fp8gemm] cuda: {problem} -> {family} {cfg}", flush=True)
+    return plan

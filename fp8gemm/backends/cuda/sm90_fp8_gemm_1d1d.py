@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 
 from ... import jit
-from ..._settings import settings
 from ...layout import TMA_ALIGN_BYTES, is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
-from .launch import kernel_a_scales, launch, row_stride, tma_aligned
+from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 from .sm90_fp8_gemm_1d2d import BAND_SIZE, LOAD_WEIGHT, MIN_STAGES, mma_efficiency
 
 __all__ = ["Sm90Config1d1d", "Sm90Fp8Gemm1d1d", "Sm90KGroupedFp8Gemm1d1d", "DENSE", "K_GROUPED",
@@ -316,15 +315,9 @@ def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config1d1d) -> Sm
     """The plan of (problem, device, config), built on first use."""
     # NOTE: supports() fixes dtypes, recipes and the output; has_c only changes a pointer.
     key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, device_index, cfg)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= 4096:
-            _plans.clear()
-        plan = _plans[key] = Sm90Plan1d1d(problem, device_index, cfg)
-        if settings.print_configs:
-            fam = K_GROUPED if problem.kind is GemmKind.K_GROUPED else DENSE
-            print(f"[fp8gemm] cuda: {problem} -> {fam.name} {cfg}", flush=True)
-    return plan
+    fam = K_GROUPED if problem.kind is GemmKind.K_GROUPED else DENSE
+    return cached_plan(_plans, key, lambda: Sm90Plan1d1d(problem, device_index, cfg), fam.name,
+                       problem, cfg)
 
 
 # --- families ------------------------------------------------------------------------------------

@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 
 from ... import jit
-from ..._settings import settings
 from ...layout import is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
-from .launch import kernel_a_scales, launch, row_stride, tma_aligned
+from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
            "smem_bytes", "sa_pad", "sa_box", "max_stages", "num_threads", "tile_cost", "mma_efficiency", "use_two_accum",
@@ -420,15 +419,9 @@ def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config) -> Sm90Pl
     # NOTE: supports() fixes dtypes and recipes, so (kind, shapes, C, device, config) is the key.
     key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, problem.has_c,
            device_index, cfg)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= 4096:
-            _plans.clear()
-        plan = _plans[key] = Sm90Plan(problem, device_index, cfg)
-        if settings.print_configs:
-            fam = DENSE if problem.kind is GemmKind.DENSE else GROUPED
-            print(f"[fp8gemm] cuda: {problem} -> {fam.name} {cfg}", flush=True)
-    return plan
+    fam = DENSE if problem.kind is GemmKind.DENSE else GROUPED
+    return cached_plan(_plans, key, lambda: Sm90Plan(problem, device_index, cfg), fam.name,
+                       problem, cfg)
 
 
 # --- families ------------------------------------------------------------------------------------

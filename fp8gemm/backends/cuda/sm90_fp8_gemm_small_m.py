@@ -20,12 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from ... import jit
-from ..._settings import settings
 from ...layout import is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
 from . import sm90_fp8_gemm_1d2d as dense
-from .launch import kernel_a_scales, launch, row_stride, tma_aligned
+from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "max_stages",
            "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "candidates",
@@ -309,14 +308,8 @@ _plans: dict[tuple, SmallMPlan] = {}
 def get_plan(problem: GemmProblem, device_index: int, cfg: SmallMConfig) -> SmallMPlan:
     """The plan of (problem, device, config), built on first use."""
     key = (problem.m, problem.n, problem.k, device_index, cfg)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= 4096:
-            _plans.clear()
-        plan = _plans[key] = SmallMPlan(problem, device_index, cfg)
-        if settings.print_configs:
-            print(f"[fp8gemm] cuda: {problem} -> {SMALL_M.name} {cfg}", flush=True)
-    return plan
+    return cached_plan(_plans, key, lambda: SmallMPlan(problem, device_index, cfg), SMALL_M.name,
+                       problem, cfg)
 
 
 # --- family ----------------------------------------------------------------------------------------
