@@ -6,9 +6,12 @@ import functools
 
 import torch
 
+from .problem import SCALE_BLOCK
+
 __all__ = ["TMA_ALIGN_BYTES", "CONTIGUOUS_M_ALIGNMENT", "get_tma_aligned_size",
            "get_col_major_tma_aligned_tensor", "is_col_major_tma_aligned",
-           "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms", "num_sms_override"]
+           "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms", "num_sms_override",
+           "k_group_columns", "k_groups_on_blocks"]
 
 # NOTE: TMA needs global base addresses and strides that are multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
@@ -99,3 +102,40 @@ def num_sms_override() -> int | None:
 @functools.lru_cache(maxsize=None)
 def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# --- k-grouped operands -------------------------------------------------------------------------
+# A k-grouped operand [rows, sum K] holds its groups one after another along K; its scales give
+# each group ceil(K_g / 128) columns of their own. When every K_g is a multiple of 128 (exactly
+# when sum K = 128 x the scale columns) group g starts at column 128 x its first scale column;
+# otherwise the compiled kernels, which need 16-byte aligned group starts (TMA boxes, wgmma
+# descriptors, vector loads), take a copy with every group moved to such a column.
+
+
+def k_group_columns(ks: torch.Tensor, sum_k: int, num_blocks: int) -> torch.Tensor:
+    """Where each of the sum_k columns of a k-grouped operand goes when every group starts on a
+    128-column block: column j of group g (K_g = ks[g], clamped to [0, sum K] in order) to
+    128 * kb_g + (j - off_g), kb_g = sum over h < g of ceil(K_h / 128); columns of no group, or
+    past num_blocks blocks (ks and the scales disagree), to column 128 * num_blocks (a spare
+    one). Device ops only: no synchronisation, safe to capture in a CUDA graph."""
+    k = ks.to(torch.int64).clamp(min=0)
+    ends = torch.cumsum(k, 0).clamp(max=sum_k)
+    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
+    blocks = (ends - starts + SCALE_BLOCK - 1) // SCALE_BLOCK
+    kb0 = torch.cumsum(blocks, 0) - blocks
+    j = torch.arange(sum_k, device=ks.device)
+    g = torch.searchsorted(ends, j, right=True)
+    gc = g.clamp(max=ks.shape[0] - 1)
+    dst = kb0[gc] * SCALE_BLOCK + (j - starts[gc])
+    spare = SCALE_BLOCK * num_blocks
+    return torch.where((g < ks.shape[0]) & (dst < spare), dst, spare)
+
+
+def k_groups_on_blocks(t: torch.Tensor, columns: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[rows, 128 * num_blocks] view of t's columns moved to `columns` (k_group_columns), zeros
+    elsewhere: every group starts on a block and its last block is zero past its K. The buffer
+    has 16 spare columns (the target of stray columns; rows stay 16-byte multiples)."""
+    buf = torch.zeros(t.shape[0], SCALE_BLOCK * num_blocks + TMA_ALIGN_BYTES, dtype=torch.uint8,
+                      device=t.device)
+    buf.index_copy_(1, columns, t.view(torch.uint8))
+    return buf[:, :SCALE_BLOCK * num_blocks].view(t.dtype)

@@ -399,37 +399,6 @@ def test_k_grouped_routing_and_config(m, n, ks):
     assert cfg == g.K_GROUPED.candidate_configs(p, H200)[0]
 
 
-@pytest.mark.parametrize("ks", [(1000, 37, 0, 129, 8192, 4096, 0, 17), (16384, 3, 0), (128, 256),
-                                (0, 5)])
-def test_group_columns_move_each_group_to_a_k_block(ks):
-    """Column j of group g lands at 128 * (k-blocks of the groups before g) + (j - its start);
-    the padded operand holds every value once, zeros elsewhere."""
-    sum_k, blocks = sum(ks), sum(ceil_div(k, SCALE_BLOCK) for k in ks)
-    dst = g.group_columns(torch.tensor(ks, dtype=torch.int32), sum_k, blocks)
-    want, kb = [], 0
-    for k in ks:
-        want += [SCALE_BLOCK * kb + j for j in range(k)]
-        kb += ceil_div(k, SCALE_BLOCK)
-    assert dst.tolist() == want
-    t = torch.randint(1, 255, (3, sum_k), dtype=torch.uint8)
-    padded = g._pad_groups(t, dst, blocks)
-    assert padded.shape == (3, SCALE_BLOCK * blocks) and g._row_bytes(padded) % 16 == 0
-    assert torch.equal(padded[:, dst], t) and int((padded != 0).sum()) == 3 * sum_k
-
-
-def test_group_columns_keep_stray_values_inside():
-    """ks that disagree with the operand (too short, too long, negative): the kernel's clamp
-    (each group to the columns that remain), and columns of no group or past the scale blocks
-    go to the spare column."""
-    spare = SCALE_BLOCK * 2
-    short = g.group_columns(torch.tensor([100, 50], dtype=torch.int32), 300, 2).tolist()
-    assert short[:100] == list(range(100)) and short[100:150] == list(range(128, 178))
-    assert set(short[150:]) == {spare}
-    long = g.group_columns(torch.tensor([-4, 100, 500], dtype=torch.int32), 300, 2).tolist()
-    assert long[:100] == list(range(100)) and long[100:228] == list(range(128, 256))
-    assert set(long[228:]) == {spare}
-
-
 def test_k_grouped_picked_kernels_compile_clean(tmp_path, monkeypatch):
     compiler_or_skip()
     tool = _cuobjdump()

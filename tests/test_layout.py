@@ -7,6 +7,8 @@ import torch
 
 import fp8gemm
 from fp8gemm import layout
+from fp8gemm.layout import k_group_columns, k_groups_on_blocks
+from fp8gemm.problem import SCALE_BLOCK, ceil_div
 from helpers import hopper_available
 
 
@@ -102,3 +104,34 @@ def test_set_num_sms_rejects(bad, restore_num_sms):
     with pytest.raises(ValueError, match="num_sms"):
         fp8gemm.set_num_sms(bad)
     assert fp8gemm.get_num_sms() == 5  # a rejected value changes nothing
+
+
+@pytest.mark.parametrize("ks", [(1000, 37, 0, 129, 8192, 4096, 0, 17), (16384, 3, 0), (128, 256),
+                                (0, 5)])
+def test_k_group_columns_move_each_group_to_a_block(ks):
+    """Column j of group g lands at 128 * (k-blocks of the groups before g) + (j - its start);
+    the padded operand holds every value once, zeros elsewhere."""
+    sum_k, blocks = sum(ks), sum(ceil_div(k, SCALE_BLOCK) for k in ks)
+    dst = k_group_columns(torch.tensor(ks, dtype=torch.int32), sum_k, blocks)
+    want, kb = [], 0
+    for k in ks:
+        want += [SCALE_BLOCK * kb + j for j in range(k)]
+        kb += ceil_div(k, SCALE_BLOCK)
+    assert dst.tolist() == want
+    t = torch.randint(1, 255, (3, sum_k), dtype=torch.uint8)
+    padded = k_groups_on_blocks(t, dst, blocks)
+    assert padded.shape == (3, SCALE_BLOCK * blocks) and padded.stride(0) % 16 == 0
+    assert torch.equal(padded[:, dst], t) and int((padded != 0).sum()) == 3 * sum_k
+
+
+def test_k_group_columns_keep_stray_values_inside():
+    """ks that disagree with the operand (too short, too long, negative): the kernels' clamp
+    (each group to the columns that remain), and columns of no group or past the scale blocks
+    go to the spare column."""
+    spare = SCALE_BLOCK * 2
+    short = k_group_columns(torch.tensor([100, 50], dtype=torch.int32), 300, 2).tolist()
+    assert short[:100] == list(range(100)) and short[100:150] == list(range(128, 178))
+    assert set(short[150:]) == {spare}
+    long = k_group_columns(torch.tensor([-4, 100, 500], dtype=torch.int32), 300, 2).tolist()
+    assert long[:100] == list(range(100)) and long[100:228] == list(range(128, 256))
+    assert set(long[228:]) == {spare}

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ... import jit
-from ...layout import TMA_ALIGN_BYTES, is_col_major_tma_aligned, num_sms_override
+from ...layout import (TMA_ALIGN_BYTES, is_col_major_tma_aligned, k_group_columns,
+                       k_groups_on_blocks, num_sms_override)
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
 from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
@@ -195,35 +196,6 @@ def _row_bytes(t: torch.Tensor) -> int:
     return stride * t.element_size()
 
 
-def group_columns(ks: torch.Tensor, sum_k: int, num_blocks: int) -> torch.Tensor:
-    """Where each of the sum_k columns of a k-grouped operand goes when every group starts on a
-    k-block: column j of group g (K_g = ks[g], clamped as the kernel clamps it) to
-    128 * kb_g + (j - off_g), kb_g = sum over h < g of ceil(K_h/128); columns of no group, or past
-    num_blocks k-blocks (ks and the scales disagree), to column 128 * num_blocks (a spare one).
-    Device ops only: no synchronisation, safe to capture in a CUDA graph."""
-    k = ks.to(torch.int64).clamp(min=0)
-    ends = torch.cumsum(k, 0).clamp(max=sum_k)
-    starts = ends - torch.diff(ends, prepend=ends.new_zeros(1))
-    blocks = (ends - starts + BLOCK_K - 1) // BLOCK_K
-    kb0 = torch.cumsum(blocks, 0) - blocks
-    j = torch.arange(sum_k, device=ks.device)
-    g = torch.searchsorted(ends, j, right=True)
-    gc = g.clamp(max=ks.shape[0] - 1)
-    dst = kb0[gc] * BLOCK_K + (j - starts[gc])
-    spare = BLOCK_K * num_blocks
-    return torch.where((g < ks.shape[0]) & (dst < spare), dst, spare)
-
-
-def _pad_groups(t: torch.Tensor, dst: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[rows, 128 * num_blocks] view of t's columns moved to `dst` (group_columns), zeros
-    elsewhere: every group starts on a k-block and its last k-block is zero past its K. The
-    buffer has 16 spare columns (the target of stray columns; rows stay 16-byte multiples)."""
-    buf = torch.zeros(t.shape[0], BLOCK_K * num_blocks + TMA_ALIGN_BYTES, dtype=torch.uint8,
-                      device=t.device)
-    buf.index_copy_(1, dst, t.view(torch.uint8))
-    return buf[:, :BLOCK_K * num_blocks].view(t.dtype)
-
-
 def pack_key(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
              out: torch.Tensor, c: torch.Tensor | None, ks: torch.Tensor | None) -> tuple:
     """What an argument pack depends on besides the plan's shapes: the pointers, and the scale
@@ -290,8 +262,9 @@ class Sm90Plan1d1d:
             # are): the kernel needs every group on a k-block (TMA faults on an innermost start
             # that is not 16-byte aligned, and the wgmma descriptors move in 16 bytes), so A and
             # B are copied with their groups moved to k-block boundaries.
-            cols = group_columns(ks, self.k, sa.shape[1])
-            a, b = _pad_groups(a, cols, sa.shape[1]), _pad_groups(b, cols, sa.shape[1])
+            cols = k_group_columns(ks, self.k, sa.shape[1])
+            a, b = (k_groups_on_blocks(a, cols, sa.shape[1]),
+                    k_groups_on_blocks(b, cols, sa.shape[1]))
         else:
             a, b = _tma_rows(a), _tma_rows(b)
         dst = out

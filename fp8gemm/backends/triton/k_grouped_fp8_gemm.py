@@ -8,8 +8,11 @@ the groups lie one after another along K, and each group's 1x128 scale blocks st
 column. Both operands are scaled per 1x128 group along K; FP32 accumulation.
 
 One launch computes every group: the grid is (output tiles of one group, G); each program reads
-ks on the device and finds its group's K range by a prefix sum over the [G] sizes held in
-registers, so nothing is read on the host (graph-safe) and a group with K = 0 writes c (or 0).
+ks on the device and finds its group's blocks of 128 columns by a prefix sum over the [G] sizes
+held in registers, so nothing is read on the host (graph-safe) and a group with K = 0 writes c
+(or 0). The kernel reads each group from a 128-column block (16-byte aligned loads): where some
+K_g is not a multiple of 128, A and B are first copied with every group moved to one
+(`layout.k_groups_on_blocks`, device ops only).
 For every K tile of 128 (one scale block) the tensor-core partial sum is promoted to the FP32
 accumulator with both scales applied (two-level accumulation).
 
@@ -25,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...layout import k_group_columns, k_groups_on_blocks
 from ...problem import FP8_DTYPES, SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
 from ..family import DeviceFacts, KernelFamily
 
@@ -40,34 +44,30 @@ MAX_GROUPS = 1024
 
 
 @triton.jit
-def _group_range(ks_ptr, g, G, SUM_K, NUM_KB, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr):
-    """(first column, K, first scale column, scale columns) of group g. Sizes are clamped to
-    [0, SUM_K] and each group to the columns that remain, so values that do not add up never
-    address outside A, B or their scales."""
+def _group_blocks(ks_ptr, g, G, NUM_KB, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr):
+    """(first block, blocks) of group g along K: groups of ceil(K_g / BLOCK_K) blocks one after
+    another, sizes clamped to >= 0 and to the NUM_KB blocks there are, so values that do not add
+    up never address outside A, B or their scales."""
     gs = tl.arange(0, G_POW2)
-    kc = tl.load(ks_ptr + gs, mask=gs < G, other=0).to(tl.int64)
-    kc = tl.minimum(tl.maximum(kc, 0), SUM_K)
-    before = gs < g
-    off = tl.sum(tl.where(before, kc, 0), 0)
-    k_g = tl.sum(tl.where(gs == g, kc, 0), 0)
-    kb_off = tl.sum(tl.where(before, (kc + BLOCK_K - 1) // BLOCK_K, 0), 0)
-    lo = tl.minimum(off, SUM_K)
+    kc = tl.maximum(tl.load(ks_ptr + gs, mask=gs < G, other=0).to(tl.int64), 0)
+    blocks = tl.minimum((kc + BLOCK_K - 1) // BLOCK_K, NUM_KB)
+    kb_off = tl.sum(tl.where(gs < g, blocks, 0), 0)
     kb_lo = tl.minimum(kb_off, NUM_KB)
-    k_len = tl.minimum(off + k_g, SUM_K) - lo
-    kb_len = tl.minimum(kb_off + (k_g + BLOCK_K - 1) // BLOCK_K, NUM_KB) - kb_lo
-    return lo, k_len.to(tl.int32), kb_lo, kb_len.to(tl.int32)
+    kb_len = tl.minimum(kb_off + tl.sum(tl.where(gs == g, blocks, 0), 0), NUM_KB) - kb_lo
+    return kb_lo, kb_len.to(tl.int32)
 
 
 @triton.jit
 def _k_grouped_fp8_gemm_nt_kernel(
         a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, c_ptr, ks_ptr,
-        M, N, SUM_K, NUM_KB, G,
+        M, N, NUM_KB, G,
         stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_sbk,
         stride_og, stride_om, stride_on, stride_cg, stride_cm, stride_cn,
         HAS_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, G_POW2: tl.constexpr):
     """Program (t, g): output tile t of group g (GROUP_M m tiles share each n tile, so their B
-    tile stays in L2); group after group along the grid's second axis."""
+    tile stays in L2); group after group along the grid's second axis. A and B have every group
+    on a block of BLOCK_K columns, zero past its K (the family's run sees to it)."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -78,7 +78,11 @@ def _k_grouped_fp8_gemm_nt_kernel(
     pid_m = first_m + (pid % width) % group_size
     pid_n = (pid % width) // group_size
 
-    lo, k_len, kb_lo, kb_len = _group_range(ks_ptr, g, G, SUM_K, NUM_KB, BLOCK_K, G_POW2)
+    kb_lo, kb_len = _group_blocks(ks_ptr, g, G, NUM_KB, BLOCK_K, G_POW2)
+    # NOTE: the group's first column as a multiple of BLOCK_K the compiler can see: without it,
+    # every A and B element was its own one-byte load (no vector loads, no cp.async
+    # pipelining), ~25 TFLOPS on the H200.
+    lo = tl.multiple_of(kb_lo * BLOCK_K, BLOCK_K)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,14 +99,12 @@ def _k_grouped_fp8_gemm_nt_kernel(
     sb_ptrs = sb_ptr + offs_n * stride_sbn + kb_lo * stride_sbk
 
     # NOTE: the scales of the next K tile are loaded one iteration ahead, so their global load
-    # latency hides behind the current tile's MMA. Scale columns past the group's own (values
-    # of ks that do not add up) read as zero.
-    full = k_len // BLOCK_K
+    # latency hides behind the current tile's MMA.
     kb_last = tl.maximum(kb_len - 1, 0)
     sa_next = tl.load(sa_ptrs, mask=m_ok & (kb_len > 0), other=0.0)
     sb_next = tl.load(sb_ptrs, mask=n_ok & (kb_len > 0), other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, full):
+    for i in range(0, kb_len):
         sa_cur = sa_next
         sb_cur = sb_next
         kb_pre = tl.minimum(i + 1, kb_last)
@@ -113,13 +115,6 @@ def _k_grouped_fp8_gemm_nt_kernel(
         acc += tl.dot(a, b.T) * sa_cur[:, None] * sb_cur[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    # the group's short last K tile: columns past its K belong to the next group, read as zero
-    tail = k_len - full * BLOCK_K
-    if tail > 0:
-        k_ok = offs_k < tail
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(a, b.T) * sa_next[:, None] * sb_next[None, :]
 
     mask = m_ok[:, None] & n_ok[None, :]
     rows = tl.arange(0, BLOCK_M)[:, None]
@@ -217,11 +212,17 @@ def _launch(cfg: KGroupedConfig, problem: GemmProblem, a, sa, b, sb, out, c, ks)
         return
     if not isinstance(cfg, KGroupedConfig):
         raise TypeError(f"config must be a KGroupedConfig, got {type(cfg).__name__}")
+    num_kb = sa.shape[1]
+    if problem.k != SCALE_BLOCK * num_kb:
+        # Some group's K is not a multiple of 128 (sum K = 128 x scale columns holds exactly
+        # when all are): a copy of A and B with every group moved to a 128-column block.
+        cols = k_group_columns(ks, problem.k, num_kb)
+        a, b = k_groups_on_blocks(a, cols, num_kb), k_groups_on_blocks(b, cols, num_kb)
     c_arg = c if c is not None else out
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n), groups)
     _k_grouped_fp8_gemm_nt_kernel[grid](
         a, b, sa, sb, out, c_arg, ks,
-        m, n, problem.k, sa.shape[1], groups,
+        m, n, num_kb, groups,
         a.stride(0), b.stride(0), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         c_arg.stride(0), c_arg.stride(1), c_arg.stride(2),
