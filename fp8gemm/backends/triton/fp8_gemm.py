@@ -26,7 +26,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import TMA_ALIGN_BYTES
-from ...problem import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
+from ...problem import (FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align,
+                        ceil_div)
 from ..family import DeviceFacts, KernelFamily
 
 __all__ = ["FAMILY", "PersistentConfig", "PersistentFamily"]
@@ -580,6 +581,20 @@ def tma_aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def rows_of_16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous fp8 `t` [..., K], or for K % 16 != 0 a copy with its rows zero-padded to a
+    multiple of 16 columns (K's 128-column scale blocks are the same: 128 is a multiple of 16).
+    NOTE: with rows of K % 16 bytes no A or B load can be 16-byte aligned, so every element was
+    its own one-byte load (the H200 ran a K = 1000 weight gradient at 23 TFLOPS)."""
+    k = t.shape[-1]
+    if k % TMA_ALIGN_BYTES == 0:
+        return t
+    buf = torch.zeros(*t.shape[:-1], align(k, TMA_ALIGN_BYTES), dtype=torch.uint8,
+                      device=t.device)
+    buf[..., :k] = t.view(torch.uint8)
+    return buf.view(t.dtype)
+
+
 def scale_strides(s: torch.Tensor, recipe: Recipe, lead: bool) -> tuple[int, int, int]:
     """(group, row, k) element strides of a normalised scale tensor; `lead` when it has a leading
     [G] (grouped B, masked A). Per-tensor scales of grouped B are [G]: the group stride only
@@ -642,6 +657,9 @@ def _launch(cfg: PersistentConfig, problem: GemmProblem, a, sa, b, sb, out, c, i
     if m_a == 0 or n == 0:
         return
     main_meta, further_meta = _launch_consts(problem, cfg, c is not None)
+    if k % TMA_ALIGN_BYTES:
+        a, b = rows_of_16_bytes(a), rows_of_16_bytes(b)
+        k = a.shape[-1]
     split = cfg.split_k
     sag, sam, sak = scale_strides(sa, problem.a_recipe, masked)
     sbg, sbn, sbk = scale_strides(sb, problem.b_recipe, grouped_b)
