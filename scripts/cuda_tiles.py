@@ -3,6 +3,8 @@
 
     python scripts/cuda_tiles.py --shapes 4096x4096x7168 --variants base,block_m=256+block_n=128
     python scripts/cuda_tiles.py --shapes 64x2112x7168,128x7168x2048 --sweep --json sweep.json
+    python scripts/cuda_tiles.py --family sm90_m_grouped_fp8_gemm_1d2d --kind masked \
+        --shapes 4x256x4096x7168 --variants base,block_m=256+block_n=128
 
 A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE changes to it
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
@@ -17,7 +19,8 @@ the dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a 
 and cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
 launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS and the
 speed-up over cuBLAS block-wise of the same run; a config the family refuses is reported, not
-timed.
+timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows per group, the
+bench's layouts) have no cuBLAS peer here: the speed-up is over the first variant.
 """
 
 from __future__ import annotations
@@ -73,6 +76,21 @@ def parse_variant(spec: str, cfg_type: type) -> dict:
     return changes
 
 
+def grouped_problem(kind: GemmKind, data, groups: int, m: int, n: int, k: int) -> GemmProblem:
+    """The problem the grouped op builds for the bench's data of `kind` (masked: M = Mmax, the
+    expected rows `m`; contiguous and offsets: M = the rows of A)."""
+    e4m3 = torch.float8_e4m3fn
+    rows = data.a.shape[1] if kind is GemmKind.MASKED else data.a.shape[0]
+    return GemmProblem(kind, rows, n, k, groups, e4m3, e4m3, Recipe.GROUP, Recipe.BLOCK,
+                       torch.bfloat16, expected_m=m if kind is GemmKind.MASKED else 0)
+
+
+def tile_count(problem: GemmProblem, cfg) -> int:
+    m_tiles = ceil_div(problem.expected_m or problem.m, cfg.block_m)
+    groups = problem.groups if problem.kind is GemmKind.MASKED else 1
+    return groups * m_tiles * ceil_div(problem.n, cfg.block_n)
+
+
 def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_stages: int):
     """`base` with `changes`, and the fields that follow from a changed tile re-derived (see the
     module docstring). Returns None when no stage count fits shared memory."""
@@ -81,8 +99,7 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
     if tile_changed and "two_accum" not in changes:
         cfg = dataclasses.replace(cfg, two_accum=False)
     if any(f in changes for f in GRID_FIELDS) and "grid" not in changes:
-        tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
-        grid = min(facts.num_sms, tiles)
+        grid = min(facts.num_sms, tile_count(problem, cfg))
         cfg = dataclasses.replace(cfg, grid=max(grid - grid % cfg.num_multicast, cfg.num_multicast))
     if tile_changed and "num_stages" not in changes:
         fits = [s for s in range(max_stages, 0, -1)
@@ -99,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="sm90_fp8_gemm_1d2d",
                     help=f"one of {', '.join(f.name for f in FAMILIES)}")
-    ap.add_argument("--shapes", default=M4096, help="comma-separated MxNxK")
+    ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
+                                                         if k is not GemmKind.K_GROUPED])
+    ap.add_argument("--shapes", default=M4096, help="comma-separated MxNxK (grouped: GxMxNxK)")
     ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
     ap.add_argument("--sweep", action="store_true", help="also every candidate config")
     ap.add_argument("--runs", type=int, default=MIN_DEVICE_RUNS)
@@ -113,16 +132,23 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     facts = DeviceFacts.of(dev)
     timer = DeviceTimer(dev)
-    block_way, _ = cublas_block_probe(dev)  # the bench's way of calling cuBLAS block-wise
+    kind = GemmKind(args.kind)
+    dense = kind is GemmKind.DENSE
+    block_way = cublas_block_probe(dev)[0] if dense else None  # the bench's way of calling it
     rows = []
     for shape in args.shapes.split(","):
-        m, n, k = (int(v) for v in shape.split("x"))
-        problem = dense_problem(m, n, k)
+        dims = [int(v) for v in shape.split("x")]
+        if len(dims) != (3 if dense else 4):
+            ap.error(f"--shapes: {shape!r} is not {'MxNxK' if dense else 'GxMxNxK'}")
+        g, (m, n, k) = (1, dims) if dense else (dims[0], dims[1:])
+        data = make_data(Case("tiles", kind.value, m, n, k, groups=g), dev)
+        problem = dense_problem(m, n, k) if dense else grouped_problem(kind, data, g, m, n, k)
+        index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
+                 GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
         why = fam.supports(problem)
         if why is not None:
             print(f"{shape}: {fam.name} does not run it: {why}", flush=True)
             continue
-        data = make_data(Case("tiles", "dense", m, n, k), dev)
         ref = reference_output(data)
         base = fam.select_config(problem, facts)
         candidates = fam.candidate_configs(problem, facts)
@@ -140,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                     configs[f"candidate{i}"] = cfg
         calls = {}
         for name, cfg in configs.items():
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+            out = torch.full(data.a.shape[:-1] + (n,), float("nan"), dtype=torch.bfloat16,
+                             device=dev)
 
-            def fn(cfg=cfg, out=out):
-                fam.run(cfg, problem, data.a, data.sa, data.b, data.sb, out)
+            def fn(cfg=cfg, out=out, d=data):
+                fam.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, None, index)
 
             try:
                 fn()
@@ -151,29 +178,36 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, RuntimeError) as e:
                 print(f"{shape} {name}: refused: {e}  ({cfg})", flush=True)
                 continue
-            diff = calc_diff(out, ref)
+            diff = calc_diff(data.data_rows(out), ref)
             if not diff < MAX_DIFF:
                 print(f"{shape} {name}: WRONG, diff {diff:.2e}  ({cfg})", flush=True)
                 continue
             calls[name] = fn
-        calls["cublas-block"] = make_impl("cublas-block", data, block_way).fn
+        if dense:
+            calls["cublas-block"] = make_impl("cublas-block", data, block_way).fn
+        if not calls:
+            continue
+        peer = "cublas-block" if dense else next(iter(calls))
         names = list(calls)
         times = timer.time_interleaved_us(
             [(calls[x], eager_time_us(calls[x], dev).host_us, MIN_BUSY_US) for x in names],
             args.runs)
         us = {x: median(t) for x, t in zip(names, times)}
+        flops = 2 * ref.shape[0] * n * k  # data rows only (no padding, no rows past masked_m)
         for x in names:
-            speedup = us["cublas-block"] / us[x]
+            speedup = us[peer] / us[x]
             cfg = configs.get(x)
-            print(f"{shape:>18} {x:>24} {us[x]:9.1f} us {2 * m * n * k / us[x] / 1e6:6.0f} "
+            print(f"{shape:>18} {x:>24} {us[x]:9.1f} us {flops / us[x] / 1e6:6.0f} "
                   f"TFLOPS {speedup:5.2f}x  {cfg if cfg is not None else ''}", flush=True)
-            rows.append({"shape": shape, "variant": x, "us": us[x], "x_cublas_block": speedup,
+            rows.append({"shape": shape, "variant": x, "us": us[x], "peer": peer,
+                         "speedup": speedup,
                          "config": None if cfg is None else dataclasses.asdict(cfg)})
         del data, ref
         torch.cuda.empty_cache()
-    print("geometric mean of the speed-up over cuBLAS block-wise, over the shapes each ran:")
+    over = "cuBLAS block-wise" if dense else "the first variant"
+    print(f"geometric mean of the speed-up over {over}, over the shapes each ran:")
     for x in dict.fromkeys(r["variant"] for r in rows):
-        xs = [r["x_cublas_block"] for r in rows if r["variant"] == x]
+        xs = [r["speedup"] for r in rows if r["variant"] == x]
         print(f"  {x:>24} {geomean(xs):.3f} ({len(xs)} shapes)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
