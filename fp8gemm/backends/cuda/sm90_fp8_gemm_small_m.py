@@ -45,6 +45,11 @@ MAX_M = 256
 MAX_SPLITS = 8
 MAX_STAGES = 8
 MIN_STAGES = 2
+# NOTE: stage counts are even: the two math warpgroups take alternate k-blocks, so with an even
+# ring each stage always feeds the same warpgroup. With odd rings (3 and 5 stages) the H200
+# hung, faulted or returned wrong sums at M < 8 (M = 1, 8-token tiles, 1 or 4 splits), while 4
+# and 6 stages and M = 8 at 5 stages gave 300 of 300 runs correct; the barrier protocol allows
+# odd rings on paper, and the cause is not found. The kernel refuses odd counts.
 NUM_THREADS = 384  # one producer and two math warpgroups
 
 # --- cost model ----------------------------------------------------------------------------------
@@ -95,10 +100,10 @@ def smem_bytes(block_m: int, num_splits: int, num_stages: int, k: int) -> int:
 
 
 def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int) -> int:
-    """The deepest pipeline that fits `smem_limit` bytes, at most one stage per k-block of a
-    split (0: none fits)."""
+    """The deepest even pipeline that fits `smem_limit` bytes, at most one stage per k-block of
+    a split, rounded down to even (0: none fits)."""
     top = max(MIN_STAGES, min(MAX_STAGES, ceil_div(ceil_div(k, BLOCK_K), num_splits)))
-    for s in range(top, MIN_STAGES - 1, -1):
+    for s in range(top - top % 2, MIN_STAGES - 1, -2):
         if smem_bytes(block_m, num_splits, s, k) <= smem_limit:
             return s
     return 0
@@ -246,6 +251,9 @@ class SmallMPlan:
             raise ValueError(f"config {cfg}: grid must be tiles x splits = {tiles} x "
                              f"{cfg.num_splits}, with 1..{MAX_SPLITS} splits of at least one "
                              f"k-block each")
+        if cfg.num_stages < MIN_STAGES or cfg.num_stages % 2:
+            raise ValueError(f"config {cfg}: the kernel takes an even number of stages, at least "
+                             f"{MIN_STAGES}")
         self.device_index = device_index
         smem = cfg.smem(problem.k)
         self.kernel = jit.build(*kernel_source(problem.n, problem.k, cfg),

@@ -9,7 +9,7 @@
 // sums in rank order through distributed shared memory (each CTA reduces and stores 1/kNumSplits
 // of the tile). No workspace, no atomics: the same bits on every run, safe under graph capture.
 // Warp-specialised: one TMA producer warpgroup and two math warpgroups, which take alternate
-// k-blocks of the ring of kNumStages stages (one promotes while the other's wgmma runs) and add
+// k-blocks of the even ring of kNumStages stages (one promotes while the other's wgmma runs) and add
 // their sums, warpgroup 0's first, before the cluster's reduction.
 #pragma once
 
@@ -77,7 +77,9 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   static_assert(SHAPE_N % 8 == 0, "16-byte stores of bf16 output rows need N % 8 == 0");
   static_assert(kNumSplits >= 1 && kNumSplits <= 8, "a portable cluster holds at most 8 CTAs");
   static_assert(kNumSplits <= kNumKBlocks, "every split owns at least one k-block");
-  static_assert(kNumStages >= 2, "at least double buffering");
+  static_assert(kNumStages >= 2 && kNumStages % 2 == 0,
+                "an even ring of at least 2 stages: each stage feeds one math warpgroup (odd rings "
+                "failed on the H200 at M < 8, sm90_fp8_gemm_small_m.py says how)");
   // A 64-row tile of B starts on a multiple of 64 rows: it lies inside one 128x128 scale block.
   static_assert(128 % BLOCK_N == 0, "a tile of B rows must not straddle two scale blocks");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
@@ -182,7 +184,7 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
 
     // Warpgroup w takes k-blocks kb_begin + w, kb_begin + w + 2, ...: stages w, w + 2, ... of
-    // the ring (every stage's phase flips once per pass of the ring).
+    // the even ring, the same stages on every pass (each stage's phase flips once per pass).
     uint32_t stage = warpgroup, phase = 0;
     for (uint32_t kb = kb_begin + warpgroup; kb < kb_end; kb += 2) {
       mbar_wait(&full_bar[stage], phase);
@@ -255,18 +257,24 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     } else {
       named_barrier_sync(1, kNumMathThreads);
     }
-    // Units of 8 output columns (16 bytes of bf16) of one token row, tile-wide; CTA `rank` owns
-    // the contiguous range [u_begin, u_end) and sums each unit over ranks 0, 1, ... in order,
-    // so every element's sum has the same order whichever CTA computes it.
-    constexpr uint32_t kUnitsPerRow = BLOCK_N / 8;
-    constexpr uint32_t kUnits = BLOCK_M * kUnitsPerRow;
-    const uint32_t u_begin = rank * kUnits / kNumSplits, u_end = (rank + 1) * kUnits / kNumSplits;
+    // Units of 8 output columns (16 bytes of bf16) of one token row, over the tile's rows below M
+    // and columns below N only; CTA `rank` owns the contiguous range [u_begin, u_end) and sums
+    // each unit over ranks 0, 1, ... in order, so every element's sum has the same order
+    // whichever CTA computes it.
+    // NOTE: every unit loaded is stored. A peer's partial tile may be read only while the peer
+    // runs; a load whose value nothing uses does not hold its thread back, so the thread could
+    // pass the closing barrier with it in flight and the peer exit under it (the H200 then
+    // faults with an unspecified launch failure).
+    const uint32_t rows = shape_m - m0 < BLOCK_M ? shape_m - m0 : BLOCK_M;
+    const uint32_t units_per_row = (SHAPE_N - n0 < BLOCK_N ? SHAPE_N - n0 : BLOCK_N) / 8;
+    const uint32_t units = rows * units_per_row;
+    const uint32_t u_begin = rank * units / kNumSplits, u_end = (rank + 1) * units / kNumSplits;
     const uint32_t red = smem_addr(smem_red);
     uint32_t peer[kNumSplits];
 #pragma unroll
     for (uint32_t r = 0; r < kNumSplits; ++r) peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
     for (uint32_t u = u_begin + threadIdx.x; u < u_end; u += kNumMathThreads) {
-      const uint32_t t = u / kUnitsPerRow, col = (u % kUnitsPerRow) * 8;
+      const uint32_t t = u / units_per_row, col = (u % units_per_row) * 8;
       const uint32_t off = (t * kRedStride + col) * 4;
       F32x4 lo[kNumSplits], hi[kNumSplits];
 #pragma unroll
@@ -284,14 +292,10 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
         lo[0].x += lo[r].x, lo[0].y += lo[r].y, lo[0].z += lo[r].z, lo[0].w += lo[r].w;
         hi[0].x += hi[r].x, hi[0].y += hi[r].y, hi[0].z += hi[r].z, hi[0].w += hi[r].w;
       }
-      const uint32_t m = m0 + t, n = n0 + col;
-      // N % 8 == 0: a unit is wholly inside or wholly past N.
-      if (m < shape_m && n < SHAPE_N) {
-        U32x4 v;
-        v.x = pack_bf16x2(lo[0].x, lo[0].y), v.y = pack_bf16x2(lo[0].z, lo[0].w);
-        v.z = pack_bf16x2(hi[0].x, hi[0].y), v.w = pack_bf16x2(hi[0].z, hi[0].w);
-        st_global_v4(out + (static_cast<uint64_t>(m) * ld_out + n) * 2, v);
-      }
+      U32x4 v;
+      v.x = pack_bf16x2(lo[0].x, lo[0].y), v.y = pack_bf16x2(lo[0].z, lo[0].w);
+      v.z = pack_bf16x2(hi[0].x, hi[0].y), v.w = pack_bf16x2(hi[0].z, hi[0].w);
+      st_global_v4(out + (static_cast<uint64_t>(m0 + t) * ld_out + n0 + col) * 2, v);
     }
     // NOTE: no CTA may exit (its shared memory freed) while a peer still reads its partial tile.
     // The loads above have returned their values (the stores used them), so a relaxed arrive
