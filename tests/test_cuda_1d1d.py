@@ -32,9 +32,10 @@ H100_PCIE = DeviceFacts("NVIDIA H100 PCIe", (9, 0), num_sms=114, smem_per_block=
 DSV3_MN = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 WGRAD = [(m, n, k) for (m, n) in DSV3_MN for k in (4096, 1000)]
 AWKWARD = [(1, 576, 320), (37, 200, 1000), (64, 131, 128), (130, 576, 7), (257, 1000, 4096)]
-# Tiles the GPU test `test_other_tiles` forces (N = 1000): one math warpgroup, the widest of each
-# height, the narrowest wgmma, a width that is not a multiple of 32.
-FORCED_TILES = [(64, 16), (64, 192), (128, 8), (128, 176), (128, 136)]
+# Tiles the GPU test `test_other_tiles` forces (N = 1000), with one accumulator or two: one math
+# warpgroup, the widest of each height, the narrowest wgmma, a width that is not a multiple of 32.
+FORCED_TILES = [(64, 16, False), (64, 192, False), (128, 8, False), (128, 176, False),
+                (128, 136, False), (128, 128, True), (64, 128, True), (128, 8, True)]
 FORCED_N = 1000
 
 
@@ -105,14 +106,14 @@ def test_config_is_the_cheapest(m, n, k):
 
 
 def test_wgrad_table():
-    """The tiles chosen for the suite's weight gradients on the H200 (the model: six waves of
-    128x160 beat 7.2 of 128x128 at N = 7168, M = 2112)."""
-    expect = {(2112, 7168): (128, 160), (24576, 1536): (128, 128), (32768, 512): (128, 128),
-              (7168, 16384): (128, 128), (4096, 7168): (128, 128), (7168, 2048): (128, 128)}
-    for (m, n), tile in expect.items():
+    """The tiles chosen for the suite's weight gradients on the H200: 128x128 with two
+    accumulators everywhere (at N = 7168, M = 2112 its 7.2 waves beat six of 128x160, whose
+    promotion is not overlapped)."""
+    for m, n in DSV3_MN:
         for k in (4096, 1000):
             cfg = g.DENSE.select_config(problem(m, n, k), H200)
-            assert (cfg.block_m, cfg.block_n) == tile and cfg.num_stages == 6, (m, n, k, cfg)
+            assert (cfg.block_m, cfg.block_n, cfg.two_accum) == (128, 128, True), (m, n, k, cfg)
+            assert cfg.num_stages == 6, (m, n, k, cfg)
 
 
 def test_config_is_pure_cached_and_k_independent():
@@ -231,10 +232,12 @@ def test_every_picked_kernel_compiles_clean(tmp_path, monkeypatch):
     for facts in (H200, H100_PCIE):
         for m, n, k in WGRAD + AWKWARD:
             seen.setdefault((n, g.DENSE.select_config(problem(m, n, k), facts)), (m, n, k))
-    forced = [(bm, g.BLOCK_N_CHOICES[bm][-1], n) for bm in g.BLOCK_M_CHOICES
+    forced = [(bm, g.BLOCK_N_CHOICES[bm][-1], False, n) for bm in g.BLOCK_M_CHOICES
               for n in (7168, 131)]  # vector stores, and the odd-N scalar ones
-    for bm, bn, n in forced + [(bm, bn, FORCED_N) for bm, bn in FORCED_TILES]:
-        cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132)
+    forced += [(bm, g.TWO_ACCUM_MAX_BLOCK_N[bm], True, 7168) for bm in g.BLOCK_M_CHOICES]
+    for bm, bn, two, n in forced + [(bm, bn, two, FORCED_N) for bm, bn, two in FORCED_TILES]:
+        cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
+                               two)
         seen.setdefault((n, cfg), (None, n, None))
     for (n, cfg), shape in seen.items():
         _, compiled, _, _ = g.compile_kernel(n, cfg)
@@ -253,6 +256,22 @@ def test_one_past_the_widest_tile_spills(tmp_path, monkeypatch):
         if not spills:
             pytest.skip("this compiler's log has no ptxas report")
         assert max(spills) > 0, f"{cfg} compiles clean: widen BLOCK_N_CHOICES"
+
+
+def test_one_past_the_widest_two_accum_tile_spills(tmp_path, monkeypatch):
+    """TWO_ACCUM_MAX_BLOCK_N stops where ptxas starts spilling at both heights (the k-grouped walk,
+    which keeps a few more registers live than the dense one)."""
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    for bm in g.BLOCK_M_CHOICES:
+        bn = g.TWO_ACCUM_MAX_BLOCK_N[bm] + 8
+        cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
+                               True)
+        log = g.compile_kernel(7168, cfg, k_grouped=True)[1].log
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        if not spills:
+            pytest.skip("this compiler's log has no ptxas report")
+        assert max(spills) > 0, f"{cfg} compiles clean: raise TWO_ACCUM_MAX_BLOCK_N"
 
 
 # --- GPU ------------------------------------------------------------------------------------------
@@ -298,13 +317,14 @@ def test_matches_float64(m, n, k, c_mode, gpu_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm,bn", FORCED_TILES)
-def test_other_tiles(bm, bn, gpu_device):
+@pytest.mark.parametrize("bm,bn,two", FORCED_TILES)
+def test_other_tiles(bm, bn, two, gpu_device):
     """Configs the suite may not pick: one math warpgroup, the widest tiles, an N tail inside a
-    tile, M and K tails."""
+    tile, M and K tails (9 k-blocks: with two accumulators one chunk of 8 and one alone)."""
     m, n, k = 300, FORCED_N, 1100
     a, sa, b, sb = _operands(m, n, k, gpu_device)
-    cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132)
+    cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
+                           two)
     c = torch.randn(m, n, device=gpu_device)
     out = poisoned((m, n), torch.float32, gpu_device)
     _run(a, sa, b, sb, out, c, cfg)

@@ -44,6 +44,16 @@ BLOCK_N_CHOICES = {128: tuple(range(16, 177, 8)), 64: tuple(range(16, 193, 8))}
 # The k-grouped walk keeps a few more registers live: 64x192 spills 12 bytes there, 64x184 none.
 K_GROUPED_BLOCK_N_CHOICES = {128: BLOCK_N_CHOICES[128], 64: tuple(range(16, 185, 8))}
 MAX_STAGES = 8
+# NOTE: two accumulators (the next k-block's wgmma issued before the wait for this one, so the
+# tensor cores run while a k-block is promoted) add BLOCK_N/2 registers: the widest tiles ptxas
+# compiles without spills, dense and k-grouped (two math warpgroups: 144 spills 104 bytes; one:
+# 152 spills 92 bytes in the k-grouped walk).
+TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
+# NOTE: with one accumulator the promotion runs after each wgmma and before the next one: the
+# two math warpgroups wait on the same stage, so the tensor cores idle while they promote. On the
+# H200 that kernel ran the suite's weight gradients at 0.80-0.85x cuBLAS and DeepGEMM's
+# overlapped kernel at 0.97-1.03x; the model charges it 1 / 0.82 of the tensor-core time.
+SERIAL_PROMOTION_EFFICIENCY = 0.82
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -76,6 +86,7 @@ class Sm90Config1d1d:
     num_stages: int
     band_size: int
     grid: int  # persistent CTAs
+    two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
 
     @property
     def num_threads(self) -> int:
@@ -89,18 +100,20 @@ class Sm90Config1d1d:
 
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
-                f"grid={self.grid} threads={self.num_threads}")
+                f"grid={self.grid} threads={self.num_threads}"
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
-def tile_cost(block_m: int, block_n: int) -> float:
+def tile_cost(block_m: int, block_n: int, two_accum: bool = False) -> float:
     """Modelled time of one tile per unit of K: max(MMA, loads), in FLOP units. The tensor-core
     rate and the load weight are the 1D2D family's measured model (sm90_fp8_gemm_1d2d: one math
-    warpgroup at 0.4 of two, N in steps of 32, tiles past 128 wide at 0.96). The 1D1D promotion's
-    extra multiply per element (sa[row] * sb[col]) is issued under the wgmma (ptxas hoists it
-    above the wait), so the work after each wait is the 1D2D kernel's: one FFMA per element."""
-    return max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
-               LOAD_WEIGHT * (block_m + block_n))
+    warpgroup at 0.4 of two, N in steps of 32, tiles past 128 wide at 0.96); with one
+    accumulator the promotion is not overlapped (SERIAL_PROMOTION_EFFICIENCY)."""
+    mma = 2 * block_m * block_n / mma_efficiency(block_m, block_n)
+    if not two_accum:
+        mma /= SERIAL_PROMOTION_EFFICIENCY
+    return max(mma, LOAD_WEIGHT * (block_m + block_n))
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,7 @@ class Candidate:
     waves: int
     last_wave: int  # tiles in the last wave
     cost: float  # waves * tile_cost
+    two_accum: bool = False
 
 
 def candidate_tiles(m: int, n: int, facts: DeviceFacts, groups: int = 1,
@@ -132,9 +146,11 @@ def candidate_tiles(m: int, n: int, facts: DeviceFacts, groups: int = 1,
             tiles = groups * ceil_div(m, bm) * ceil_div(n, bn)
             waves = ceil_div(tiles, facts.num_sms)
             last = tiles - (waves - 1) * facts.num_sms
+            # The two-accumulator kernel where it fits registers and has three stages.
+            two = bn <= TWO_ACCUM_MAX_BLOCK_N[bm] and stages >= 3
             # Rounded, so that tiles the model prices alike tie exactly and the tie-breaks decide.
-            cost = round(waves * tile_cost(bm, bn), 6)
-            out.append(Candidate(bm, bn, stages, tiles, waves, last, cost))
+            cost = round(waves * tile_cost(bm, bn, two), 6)
+            out.append(Candidate(bm, bn, stages, tiles, waves, last, cost, two))
     return out
 
 
@@ -146,7 +162,8 @@ def _rank(c: Candidate) -> tuple:
 
 def _config(best: Candidate, facts: DeviceFacts) -> Sm90Config1d1d:
     return Sm90Config1d1d(block_m=best.block_m, block_n=best.block_n, num_stages=best.num_stages,
-                          band_size=BAND_SIZE, grid=max(1, min(facts.num_sms, best.tiles)))
+                          band_size=BAND_SIZE, grid=max(1, min(facts.num_sms, best.tiles)),
+                          two_accum=best.two_accum)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,7 +181,8 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False) -> tuple
     """(source, name expression) of the kernel instance for (N, config, dense or k-grouped)."""
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{'true' if k_grouped else 'false'}, {n}, "
-            f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}>")
+            f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
+            f"{'true' if cfg.two_accum else 'false'}>")
     return source, name
 
 

@@ -105,7 +105,7 @@ struct alignas(8) Float2 {
 };
 
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
@@ -134,6 +134,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   static_assert(kNumStages >= 2, "at least double buffering");
+  static_assert(!kTwoAccum || kNumStages >= 3,
+                "two k-blocks in flight and one being filled need three stages");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
@@ -247,33 +249,92 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
       }
 
-      for (uint32_t i = 0; i < tile.num_kb; ++i) {
-        mbar_wait(&full_bar[stage], phase);
-        const uint64_t desc_a = desc_a0 + stage * (Layout::SMEM_A / 16);
-        const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
+      // The wgmma of one k-block into `acc_`, on stage `stage_`; each k-step of 32 bytes moves
+      // the descriptors' start address by 32 >> 4 = 2, the first starts a fresh partial sum
+      // (one scale block per k-block).
+      auto issue = [&](float (&acc_)[kNumAccum], uint32_t stage_) {
+        const uint64_t desc_a = desc_a0 + stage_ * (Layout::SMEM_A / 16);
+        const uint64_t desc_b = desc_b0 + stage_ * (Layout::SMEM_B / 16);
 #pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
         wgmma_fence();
-        // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2; the
-        // first starts a fresh partial sum (one scale block per k-block).
 #pragma unroll
         for (uint32_t k = 0; k < kNumKSteps; ++k)
-          WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+          WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
         wgmma_commit();
 #pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-        // NOTE: the scales are read while the wgmma runs, off the critical path.
-        const float sa0 = sa_rows[stage * Layout::kSaStage];
-        const float sa1 = sa_rows[stage * Layout::kSaStage + 8];
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
+      };
+      // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
+      // K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col] (read from the
+      // stage, which is released only after this).
+      auto promote = [&](float (&acc_)[kNumAccum], uint32_t stage_) {
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
+        const float sa0 = sa_rows[stage_ * Layout::kSaStage];
+        const float sa1 = sa_rows[stage_ * Layout::kSaStage + 8];
+#pragma unroll
+        for (uint32_t g = 0; g < kNumColGroups; ++g) {
+          const Float2 sb = *reinterpret_cast<const Float2*>(sb_cols + stage_ * Layout::kSbStage + g * 8);
+          final_acc[4 * g + 0] = fmaf(acc_[4 * g + 0], sa0 * sb.x, final_acc[4 * g + 0]);
+          final_acc[4 * g + 1] = fmaf(acc_[4 * g + 1], sa0 * sb.y, final_acc[4 * g + 1]);
+          final_acc[4 * g + 2] = fmaf(acc_[4 * g + 2], sa1 * sb.x, final_acc[4 * g + 2]);
+          final_acc[4 * g + 3] = fmaf(acc_[4 * g + 3], sa1 * sb.y, final_acc[4 * g + 3]);
+        }
+      };
+      // The stage is free once this warp's wgmma and scale reads are done.
+      auto release = [&](uint32_t stage_) {
+        if (lane == 0) mbar_arrive(&empty_bar[stage_]);
+      };
+      auto take = [&]() {
+        const uint32_t s = stage;
+        mbar_wait(&full_bar[s], phase);
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+        return s;
+      };
+
+      uint32_t i = 0;
+      if constexpr (kTwoAccum) {
+        // NOTE: k-blocks alternate between acc and acc1: the wgmma of k-block j + 1 is issued
+        // before the wait for j, so the tensor cores have work while j is promoted. ptxas
+        // serialises every wgmma (C7514) when a loop carries a group in flight across its back
+        // edge, so the k-blocks run in fully unrolled chunks of kKChunk that end with no group in
+        // flight; a tile's last num_kb % kKChunk k-blocks run one at a time.
+        constexpr uint32_t kKChunk = 8;
+        float acc1[kNumAccum];
+        for (; i + kKChunk <= tile.num_kb; i += kKChunk) {
+          uint32_t held[2];
+          held[0] = take();
+          issue(acc, held[0]);
+#pragma unroll
+          for (uint32_t j = 0; j < kKChunk; ++j) {
+            float (&cur)[kNumAccum] = j % 2 == 0 ? acc : acc1;
+            float (&nxt)[kNumAccum] = j % 2 == 0 ? acc1 : acc;
+            if (j + 1 < kKChunk) {
+              held[(j + 1) % 2] = take();
+              issue(nxt, held[(j + 1) % 2]);
+              wgmma_wait<1>();
+            } else {
+              wgmma_wait<0>();
+            }
+            promote(cur, held[j % 2]);
+            release(held[j % 2]);
+          }
+        }
+      }
+      for (; i < tile.num_kb; ++i) {
+        const uint32_t s = take();
+        issue(acc, s);
+        // NOTE: with one accumulator the scales are read while the wgmma runs, off the critical
+        // path, and the stage is released before the promotion.
+        const float sa0 = sa_rows[s * Layout::kSaStage];
+        const float sa1 = sa_rows[s * Layout::kSaStage + 8];
         Float2 sb[kNumColGroups];
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g)
-          sb[g] = *reinterpret_cast<const Float2*>(sb_cols + stage * Layout::kSbStage + g * 8);
+          sb[g] = *reinterpret_cast<const Float2*>(sb_cols + s * Layout::kSbStage + g * 8);
         wgmma_wait<0>();
-        // The stage is free once this warp's wgmma and scale reads are done.
-        if (lane == 0) mbar_arrive(&empty_bar[stage]);
-        // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128
-        // of K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col].
+        release(s);
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
 #pragma unroll
@@ -283,7 +344,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           final_acc[4 * g + 2] = fmaf(acc[4 * g + 2], sa1 * sb[g].x, final_acc[4 * g + 2]);
           final_acc[4 * g + 3] = fmaf(acc[4 * g + 3], sa1 * sb[g].y, final_acc[4 * g + 3]);
         }
-        if (++stage == kNumStages) stage = 0, phase ^= 1;
       }
 
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
