@@ -5,6 +5,8 @@
     python scripts/cuda_tiles.py --shapes 64x2112x7168,128x7168x2048 --sweep --json sweep.json
     python scripts/cuda_tiles.py --family sm90_m_grouped_fp8_gemm_1d2d --kind masked \
         --shapes 4x256x4096x7168 --variants base,block_m=256+block_n=128
+    python scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad \
+        --shapes 2112x7168x4096,7168x2048x1000 --variants base,block_n=128+two_accum=1
 
 A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE changes to it
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
@@ -20,13 +22,16 @@ and cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.t
 launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS and the
 speed-up over cuBLAS block-wise of the same run; a config the family refuses is reported, not
 timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows per group, the
-bench's layouts) have no cuBLAS peer here: the speed-up is over the first variant.
+bench's layouts) have no cuBLAS peer here: the speed-up is over the first variant. --kind wgrad
+is the weight gradient of the bench's backward suite (both operands in 1x128 groups, fp32 out),
+timed against cuBLAS block-wise 1x128 x 1x128.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -48,7 +53,7 @@ from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E40
 M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
 TILE_FIELDS = ("block_m", "block_n")  # num_stages and two_accum follow from these
 GRID_FIELDS = ("block_m", "block_n", "num_multicast")  # grid follows from these
-MAX_DIFF = 1e-5  # bf16 output: the library's bound for this recipe
+MAX_DIFF = 1e-5  # the library's bound for bf16 output (fp32 output lands closer)
 
 
 def dense_problem(m: int, n: int, k: int) -> GemmProblem:
@@ -56,6 +61,13 @@ def dense_problem(m: int, n: int, k: int) -> GemmProblem:
     e4m3 = torch.float8_e4m3fn
     return GemmProblem(GemmKind.DENSE, m, n, k, 1, e4m3, e4m3, Recipe.GROUP, Recipe.BLOCK,
                        torch.bfloat16)
+
+
+def wgrad_problem(m: int, n: int, k: int) -> GemmProblem:
+    """A dense e4m3 weight gradient: A and B in 1x128 groups, fp32 out."""
+    e4m3 = torch.float8_e4m3fn
+    return GemmProblem(GemmKind.DENSE, m, n, k, 1, e4m3, e4m3, Recipe.GROUP, Recipe.GROUP,
+                       torch.float32)
 
 
 def parse_variant(spec: str, cfg_type: type) -> dict:
@@ -91,19 +103,30 @@ def tile_count(problem: GemmProblem, cfg) -> int:
     return groups * m_tiles * ceil_div(problem.n, cfg.block_n)
 
 
+def config_smem(cfg, problem: GemmProblem) -> int:
+    """Shared memory of a config of any family: the 1D2D families' smem(k, kind), the small-M
+    family's smem(k), the 1D1D families' smem property (independent of K)."""
+    smem = cfg.smem
+    if not callable(smem):
+        return smem
+    return smem(problem.k, problem.kind) if len(inspect.signature(smem).parameters) > 1 \
+        else smem(problem.k)
+
+
 def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_stages: int):
     """`base` with `changes`, and the fields that follow from a changed tile re-derived (see the
     module docstring). Returns None when no stage count fits shared memory."""
     cfg = dataclasses.replace(base, **changes)
     tile_changed = any(f in changes for f in TILE_FIELDS)
-    if tile_changed and "two_accum" not in changes:
+    if tile_changed and "two_accum" not in changes and hasattr(cfg, "two_accum"):
         cfg = dataclasses.replace(cfg, two_accum=False)
     if any(f in changes for f in GRID_FIELDS) and "grid" not in changes:
         grid = min(facts.num_sms, tile_count(problem, cfg))
-        cfg = dataclasses.replace(cfg, grid=max(grid - grid % cfg.num_multicast, cfg.num_multicast))
+        mc = getattr(cfg, "num_multicast", 1)
+        cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
     if tile_changed and "num_stages" not in changes:
         fits = [s for s in range(max_stages, 0, -1)
-                if dataclasses.replace(cfg, num_stages=s).smem(problem.k, problem.kind)
+                if config_smem(dataclasses.replace(cfg, num_stages=s), problem)
                 <= facts.smem_per_block]
         if not fits:
             return None
@@ -117,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default="sm90_fp8_gemm_1d2d",
                     help=f"one of {', '.join(f.name for f in FAMILIES)}")
     ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
-                                                         if k is not GemmKind.K_GROUPED])
+                                                         if k is not GemmKind.K_GROUPED]
+                    + ["wgrad"])
     ap.add_argument("--shapes", default=M4096, help="comma-separated MxNxK (grouped: GxMxNxK)")
     ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
     ap.add_argument("--sweep", action="store_true", help="also every candidate config")
@@ -132,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     facts = DeviceFacts.of(dev)
     timer = DeviceTimer(dev)
-    kind = GemmKind(args.kind)
+    wgrad = args.kind == "wgrad"
+    kind = GemmKind.DENSE if wgrad else GemmKind(args.kind)
     dense = kind is GemmKind.DENSE
+    out_dtype = torch.float32 if wgrad else torch.bfloat16
     block_way = cublas_block_probe(dev)[0] if dense else None  # the bench's way of calling it
     rows = []
     for shape in args.shapes.split(","):
@@ -141,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(dims) != (3 if dense else 4):
             ap.error(f"--shapes: {shape!r} is not {'MxNxK' if dense else 'GxMxNxK'}")
         g, (m, n, k) = (1, dims) if dense else (dims[0], dims[1:])
-        data = make_data(Case("tiles", kind.value, m, n, k, groups=g), dev)
-        problem = dense_problem(m, n, k) if dense else grouped_problem(kind, data, g, m, n, k)
+        data = make_data(Case("tiles", args.kind, m, n, k, groups=g), dev)
+        if dense:
+            problem = wgrad_problem(m, n, k) if wgrad else dense_problem(m, n, k)
+        else:
+            problem = grouped_problem(kind, data, g, m, n, k)
         index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
                  GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
         why = fam.supports(problem)
@@ -166,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     configs[f"candidate{i}"] = cfg
         calls = {}
         for name, cfg in configs.items():
-            out = torch.full(data.a.shape[:-1] + (n,), float("nan"), dtype=torch.bfloat16,
-                             device=dev)
+            out = torch.full(data.a.shape[:-1] + (n,), float("nan"), dtype=out_dtype, device=dev)
 
             def fn(cfg=cfg, out=out, d=data):
                 fam.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, None, index)

@@ -52,8 +52,13 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # NOTE: with one accumulator the promotion runs after each wgmma and before the next one: the
 # two math warpgroups wait on the same stage, so the tensor cores idle while they promote. On the
 # H200 that kernel ran the suite's weight gradients at 0.80-0.85x cuBLAS and DeepGEMM's
-# overlapped kernel at 0.97-1.03x; the model charges it 1 / 0.82 of the tensor-core time.
+# overlapped kernel at 0.97-1.03x; next to two-accumulator tiles the model charges it 1 / 0.82 of
+# the tensor-core time.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
+# The heuristic picks two-accumulator tiles only once the H200 has run them against the
+# one-accumulator kernel (`scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --variants
+# base,two_accum=1`); until then they are built only when a config asks for them.
+PICK_TWO_ACCUM = False
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -109,9 +114,10 @@ def tile_cost(block_m: int, block_n: int, two_accum: bool = False) -> float:
     """Modelled time of one tile per unit of K: max(MMA, loads), in FLOP units. The tensor-core
     rate and the load weight are the 1D2D family's measured model (sm90_fp8_gemm_1d2d: one math
     warpgroup at 0.4 of two, N in steps of 32, tiles past 128 wide at 0.96); with one
-    accumulator the promotion is not overlapped (SERIAL_PROMOTION_EFFICIENCY)."""
+    accumulator the promotion is not overlapped (SERIAL_PROMOTION_EFFICIENCY, charged where
+    PICK_TWO_ACCUM offers the two-accumulator kernel beside it)."""
     mma = 2 * block_m * block_n / mma_efficiency(block_m, block_n)
-    if not two_accum:
+    if PICK_TWO_ACCUM and not two_accum:
         mma /= SERIAL_PROMOTION_EFFICIENCY
     return max(mma, LOAD_WEIGHT * (block_m + block_n))
 
@@ -147,7 +153,7 @@ def candidate_tiles(m: int, n: int, facts: DeviceFacts, groups: int = 1,
             waves = ceil_div(tiles, facts.num_sms)
             last = tiles - (waves - 1) * facts.num_sms
             # The two-accumulator kernel where it fits registers and has three stages.
-            two = bn <= TWO_ACCUM_MAX_BLOCK_N[bm] and stages >= 3
+            two = PICK_TWO_ACCUM and bn <= TWO_ACCUM_MAX_BLOCK_N[bm] and stages >= 3
             # Rounded, so that tiles the model prices alike tie exactly and the tie-breaks decide.
             cost = round(waves * tile_cost(bm, bn, two), 6)
             out.append(Candidate(bm, bn, stages, tiles, waves, last, cost, two))
