@@ -13,6 +13,8 @@
 #   IMPLS=fp8gemm-triton,cublas-block,...                 implementations (default: the bench's)
 #   QUICK=1            30 timed runs instead of 100 and fewer irregular shapes
 #   SKIP_TESTS=1       no pytest;  SKIP_BENCH=1: no benchmark
+#   QUANT=1            also the quantisers against a bf16 copy (scripts/quant_bandwidth.py, e4m3
+#                      and e5m2) -> quant.log, quant.json (at most 120 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
 #   TEST_ARGS="..."    extra pytest arguments (e.g. "-k triton" or "-x")
 #   TEST_TIMEOUT=450   seconds for the tests (the whole GPU suite needs ~400 s: run the bench
@@ -112,6 +114,16 @@ if [[ "${SKIP_BENCH:-0}" != "1" ]]; then
     (( ${#failed[@]} )) && bench_summary+="; problems: ${failed[*]}"
 fi
 
+quant_summary="skipped (QUANT=0)"
+if [[ "${QUANT:-0}" == "1" ]]; then
+    echo "== quantisers against a copy -> $OUT/quant.log"
+    timeout --signal=INT --kill-after=10 120 python3 scripts/quant_bandwidth.py --fmt e4m3,e5m2 \
+        --json "$OUT/quant.json" >"$OUT/quant.log" 2>&1
+    rc=$?
+    tail -n 30 "$OUT/quant.log"
+    quant_summary="rc $rc, $(grep -c ' of copy' "$OUT/quant.log") measurements"
+fi
+
 echo
 echo "== skipped implementations and peer notes (bench.md has all)"
 if [[ -s "$OUT/bench.md" ]]; then
@@ -128,5 +140,6 @@ PY
 fi
 echo "tests: $tests_summary"
 echo "bench: $bench_summary"
+echo "quant: $quant_summary"
 echo "files: $(cd "$OUT" && ls | tr '\n' ' ')  ($(( SECONDS - START ))s)"
 rm -rf "$WORK"
