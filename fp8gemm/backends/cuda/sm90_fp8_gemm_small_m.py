@@ -45,11 +45,15 @@ MAX_M = 256
 MAX_SPLITS = 8
 MAX_STAGES = 8
 MIN_STAGES = 2
-# NOTE: stage counts are even: the two math warpgroups take alternate k-blocks, so with an even
-# ring each stage always feeds the same warpgroup. With odd rings (3 and 5 stages) the H200
-# hung, faulted or returned wrong sums at M < 8 (M = 1, 8-token tiles, 1 or 4 splits), while 4
-# and 6 stages and M = 8 at 5 stages gave 300 of 300 runs correct; the barrier protocol allows
-# odd rings on paper, and the cause is not found. The kernel refuses odd counts.
+# NOTE: stage counts are even. The two math warpgroups take alternate k-blocks, and a parity
+# wait on a stage's full barrier is unambiguous only if the barrier's previous phase has
+# completed. With an even ring each stage feeds one warpgroup, which consumed that previous
+# phase itself. With an odd ring the previous phase belonged to the other warpgroup: a
+# warpgroup can reach its wait while that load is still in flight (issued earlier, but TMA loads
+# need not complete in issue order), and the parity it waits for is then already the barrier's
+# completed one, so it reads a stage not yet loaded and arrives on an empty barrier out of turn.
+# On the H200, 3 and 5 stages hung, faulted or summed wrong at M = 1 (1-row A boxes); 4 and 6
+# gave 300 of 300 runs right. The host and the kernel refuse odd counts.
 NUM_THREADS = 384  # one producer and two math warpgroups
 
 # --- cost model ----------------------------------------------------------------------------------

@@ -77,9 +77,9 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   static_assert(SHAPE_N % 8 == 0, "16-byte stores of bf16 output rows need N % 8 == 0");
   static_assert(kNumSplits >= 1 && kNumSplits <= 8, "a portable cluster holds at most 8 CTAs");
   static_assert(kNumSplits <= kNumKBlocks, "every split owns at least one k-block");
-  static_assert(kNumStages >= 2 && kNumStages % 2 == 0,
-                "an even ring of at least 2 stages: each stage feeds one math warpgroup (odd rings "
-                "failed on the H200 at M < 8, sm90_fp8_gemm_small_m.py says how)");
+  // An even ring: each stage feeds one math warpgroup, which has itself consumed the phase
+  // before the one it waits for, so its parity wait cannot mistake that phase for its own.
+  static_assert(kNumStages >= 2 && kNumStages % 2 == 0, "an even ring of at least 2 stages");
   // A 64-row tile of B starts on a multiple of 64 rows: it lies inside one 128x128 scale block.
   static_assert(128 % BLOCK_N == 0, "a tile of B rows must not straddle two scale blocks");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
