@@ -15,6 +15,8 @@
 #   SKIP_TESTS=1       no pytest;  SKIP_BENCH=1: no benchmark
 #   QUANT=1            also the quantisers against a bf16 copy (scripts/quant_bandwidth.py, e4m3
 #                      and e5m2) -> quant.log, quant.json (at most 120 s)
+#   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
+#                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
 #   TEST_ARGS="..."    extra pytest arguments (e.g. "-k triton" or "-x")
 #   TEST_TIMEOUT=450   seconds for the tests (the whole GPU suite needs ~400 s: run the bench
@@ -124,6 +126,20 @@ if [[ "${QUANT:-0}" == "1" ]]; then
     quant_summary="rc $rc, $(grep -c ' of copy' "$OUT/quant.log") measurements"
 fi
 
+dg_summary="skipped (DG_CORE=0)"
+if [[ "${DG_CORE:-0}" == "1" ]]; then
+    echo "== DeepGEMM's test_core.py against the drop-in -> $OUT/dg_core.log"
+    timeout --signal=INT --kill-after=10 240 python3 -c '
+import runpy, sys
+import fp8gemm.compat.deep_gemm as d
+d.install()
+runpy.run_path(sys.argv[1], run_name="__main__")' "$DEEPGEMM_DIR/tests/test_core.py" \
+        >"$OUT/dg_core.log" 2>&1
+    rc=$?
+    tail -n 20 "$OUT/dg_core.log"
+    dg_summary="rc $rc ($( ((rc == 0)) && echo 'every assert passed' || echo 'see dg_core.log'))"
+fi
+
 echo
 echo "== skipped implementations and peer notes (bench.md has all)"
 if [[ -s "$OUT/bench.md" ]]; then
@@ -141,5 +157,6 @@ fi
 echo "tests: $tests_summary"
 echo "bench: $bench_summary"
 echo "quant: $quant_summary"
+echo "deepgemm test_core on the drop-in: $dg_summary"
 echo "files: $(cd "$OUT" && ls | tr '\n' ' ')  ($(( SECONDS - START ))s)"
 rm -rf "$WORK"

@@ -56,6 +56,15 @@ def core(tmp_path_factory):
             sys.modules[k] = v
 
 
+def test_installed_module_looks_like_the_package(core):
+    import deep_gemm
+
+    assert deep_gemm is dg and isinstance(deep_gemm.__path__, list)  # test_core prints it
+    from deep_gemm.jit_kernels.utils import get_m_alignment_for_contiguous_layout
+
+    assert get_m_alignment_for_contiguous_layout() == dg.get_m_alignment_for_contiguous_layout()
+
+
 def test_dense_old_and_new_names(core):
     torch.manual_seed(0)
     x_fp8, y_fp8, out, ref = core.construct(64, 576, 256)

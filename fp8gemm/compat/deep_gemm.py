@@ -13,6 +13,7 @@ Keyword options that tune DeepGEMM's own kernels (`recipe`, `compiled_dims`,
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -203,5 +204,9 @@ def install() -> None:
     import sys
 
     me = sys.modules[__name__]
+    # DeepGEMM is a package: code that prints or walks `deep_gemm.__path__` (its test file does)
+    # finds this module's folder.
+    if not hasattr(me, "__path__"):
+        me.__path__ = [os.path.dirname(os.path.abspath(__file__))]
     for name in ("deep_gemm", "deep_gemm.jit_kernels", "deep_gemm.jit_kernels.utils"):
         sys.modules[name] = me
