@@ -105,7 +105,7 @@ def smem_bytes(block_m: int, num_splits: int, num_stages: int, k: int) -> int:
 
 def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int) -> int:
     """The deepest even pipeline that fits `smem_limit` bytes, at most one stage per k-block of
-    a split, rounded down to even (0: none fits)."""
+    a split (rounded down to even; 0: none fits)."""
     top = max(MIN_STAGES, min(MAX_STAGES, ceil_div(ceil_div(k, BLOCK_K), num_splits)))
     for s in range(top - top % 2, MIN_STAGES - 1, -2):
         if smem_bytes(block_m, num_splits, s, k) <= smem_limit:

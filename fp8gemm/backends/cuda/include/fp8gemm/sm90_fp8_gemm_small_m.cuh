@@ -263,8 +263,7 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     // whichever CTA computes it.
     // NOTE: every unit loaded is stored. A peer's partial tile may be read only while the peer
     // runs; a load whose value nothing uses does not hold its thread back, so the thread could
-    // pass the closing barrier with it in flight and the peer exit under it (the H200 then
-    // faults with an unspecified launch failure).
+    // pass the closing barrier with it in flight and the peer exit under it.
     const uint32_t rows = shape_m - m0 < BLOCK_M ? shape_m - m0 : BLOCK_M;
     const uint32_t units_per_row = (SHAPE_N - n0 < BLOCK_N ? SHAPE_N - n0 : BLOCK_N) / 8;
     const uint32_t units = rows * units_per_row;
