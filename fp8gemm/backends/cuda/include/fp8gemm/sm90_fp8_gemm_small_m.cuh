@@ -9,8 +9,8 @@
 // sums in rank order through distributed shared memory (each CTA reduces and stores 1/kNumSplits
 // of the tile). No workspace, no atomics: the same bits on every run, safe under graph capture.
 // Warp-specialised: one TMA producer warpgroup and two math warpgroups, which take alternate
-// k-blocks of the even ring of kNumStages stages (one promotes while the other's wgmma runs) and add
-// their sums, warpgroup 0's first, before the cluster's reduction.
+// k-blocks of the even ring of kNumStages stages (one promotes while the other's wgmma runs)
+// and add their sums, warpgroup 0's first, before the cluster's reduction.
 #pragma once
 
 #include "sm90_utils.cuh"
