@@ -12,8 +12,9 @@ A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE cha
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
 heuristic's value, except those that follow from a changed field, unless they are given too: a
 changed block_m or block_n re-derives num_stages (the most that fit the device's shared memory,
-up to the most the family's candidates use) and two_accum (off); a changed block_m, block_n or
-num_multicast re-derives grid (a CTA per tile up to the SM count, a multiple of the cluster).
+up to the most the family's candidates use; even for the small-M family) and two_accum (off); a
+changed block_m, block_n or num_multicast re-derives grid (a CTA per tile up to the SM count, a
+multiple of the cluster; small-M: a changed block_m or num_splits, one CTA per tile and split).
 --sweep adds every config of `candidate_configs`.
 
 Each config runs through the family's public `run`, is checked against the float64 product of
@@ -120,13 +121,19 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
     tile_changed = any(f in changes for f in TILE_FIELDS)
     if tile_changed and "two_accum" not in changes and hasattr(cfg, "two_accum"):
         cfg = dataclasses.replace(cfg, two_accum=False)
-    if any(f in changes for f in GRID_FIELDS) and "grid" not in changes:
-        grid = min(facts.num_sms, tile_count(problem, cfg))
-        mc = getattr(cfg, "num_multicast", 1)
-        cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
+    split = hasattr(cfg, "num_splits")  # the small-M family: one CTA per (tile, split), even rings
+    if "grid" not in changes and (split and ("num_splits" in changes or tile_changed)
+                                  or any(f in changes for f in GRID_FIELDS)):
+        if split:
+            cfg = dataclasses.replace(cfg, grid=tile_count(problem, cfg) * cfg.num_splits)
+        else:
+            grid = min(facts.num_sms, tile_count(problem, cfg))
+            mc = getattr(cfg, "num_multicast", 1)
+            cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
     if tile_changed and "num_stages" not in changes:
         fits = [s for s in range(max_stages, 0, -1)
-                if config_smem(dataclasses.replace(cfg, num_stages=s), problem)
+                if not (split and s % 2)
+                and config_smem(dataclasses.replace(cfg, num_stages=s), problem)
                 <= facts.smem_per_block]
         if not fits:
             return None

@@ -1,0 +1,71 @@
+"""scripts/cuda_tiles.py on the CPU: a variant of every CUDA family's config derives the fields
+that follow from it (stages that fit, the grid), so the GPU run times what it says."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d as g1
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g2
+from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
+from fp8gemm.backends.family import DeviceFacts
+from fp8gemm.problem import ceil_div
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "cuda_tiles.py"
+_spec = importlib.util.spec_from_file_location("cuda_tiles", _PATH)
+ct = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ct)
+
+H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
+
+
+def _derive(family, problem, spec):
+    base = family.select_config(problem, H200)
+    stages = max(c.num_stages for c in family.candidate_configs(problem, H200) + [base])
+    return base, ct.derive(base, ct.parse_variant(spec, family.Config), problem, H200, stages)
+
+
+def test_dense_tile_change_rederives_stages_and_grid():
+    p = ct.dense_problem(4096, 4096, 7168)
+    base, cfg = _derive(g2.DENSE, p, "block_m=128+block_n=192")
+    assert (cfg.block_m, cfg.block_n, cfg.two_accum) == (128, 192, False)
+    # The most stages that fit: one more does not.
+    assert cfg.smem(p.k, p.kind) <= H200.smem_per_block
+    deeper = replace(cfg, num_stages=cfg.num_stages + 1)
+    assert deeper.smem(p.k, p.kind) > H200.smem_per_block
+    assert cfg.grid == min(132, ceil_div(4096, 128) * ceil_div(4096, 192))
+
+
+def test_wgrad_two_accum_variant():
+    p = ct.wgrad_problem(2112, 7168, 4096)
+    assert g1.DENSE.supports(p) is None
+    base, cfg = _derive(g1.DENSE, p, "block_n=128+two_accum=1")
+    assert (cfg.block_n, cfg.two_accum) == (128, True) and cfg.smem <= H200.smem_per_block
+    assert cfg.num_stages == g1.max_stages(128, 128, H200.smem_per_block)
+    assert cfg.grid == min(132, ceil_div(2112, 128) * ceil_div(7168, 128))
+
+
+@pytest.mark.parametrize("spec", ["num_splits=3", "block_m=16", "block_m=24+num_splits=5"])
+def test_small_m_variants_keep_one_cta_per_tile_and_split_and_even_rings(spec):
+    p = ct.dense_problem(20, 2112, 7168)
+    assert sm.SMALL_M.supports(p) is None
+    base, cfg = _derive(sm.SMALL_M, p, spec)
+    tiles = ceil_div(20, cfg.block_m) * ceil_div(2112, sm.BLOCK_N)
+    assert cfg.grid == tiles * cfg.num_splits
+    if "block_m" in spec:
+        assert cfg.num_stages % 2 == 0 and cfg.smem(p.k) <= H200.smem_per_block
+
+
+def test_parse_variant_names_the_fields():
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        ct.parse_variant("blockm=64", g2.Sm90Config)
+    with pytest.raises(ValueError, match="0 or 1"):
+        ct.parse_variant("two_accum=2", g1.Sm90Config1d1d)
+    assert ct.parse_variant("block_n=128+two_accum=1", g1.Sm90Config1d1d) == {
+        "block_n": 128, "two_accum": True}
+    assert torch.float32 == ct.wgrad_problem(8, 8, 8).out_dtype
