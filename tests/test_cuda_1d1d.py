@@ -224,6 +224,10 @@ def _assert_clean(compiled, cfg, tool, tmp_path, what):
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
     assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), f"{what}: no QGMMA.64x{cfg.block_n}x32"
     assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory in SASS"
+    # Two accumulators: in a chunk of 8 k-blocks, 7 waits leave the next k-block's wgmma in
+    # flight (the overlap the variant exists for); one accumulator waits for all of them.
+    overlapped = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass))
+    assert overlapped == (7 if cfg.two_accum else 0), f"{what}: {overlapped} overlapped waits"
     res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
     found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
     assert len(found) >= 2 and max(map(int, found)) == 0, res
@@ -433,10 +437,11 @@ def test_k_grouped_picked_kernels_compile_clean(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
     seen = {(n, g.K_GROUPED.select_config(k_problem(m, n, ks), f))
             for f in (H200, H100_PCIE) for m, n, ks in K_GROUPED_CPU}
-    for bm in g.BLOCK_M_CHOICES:  # the widest of each height
-        bn = g.K_GROUPED_BLOCK_N_CHOICES[bm][-1]
-        seen.add((7168, g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block),
-                                         g.BAND_SIZE, 132)))
+    for bm in g.BLOCK_M_CHOICES:  # the widest of each height, with one and two accumulators
+        for bn, two in ((g.K_GROUPED_BLOCK_N_CHOICES[bm][-1], False),
+                        (g.TWO_ACCUM_MAX_BLOCK_N[bm], True)):
+            seen.add((7168, g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block),
+                                             g.BAND_SIZE, 132, two)))
     for n, cfg in sorted(seen, key=str):
         _, compiled, _, _ = g.compile_kernel(n, cfg, k_grouped=True)
         _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped N={n} {cfg}")
