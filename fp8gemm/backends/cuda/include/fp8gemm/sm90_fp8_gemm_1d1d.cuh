@@ -265,17 +265,19 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
       };
+      // A stage's B scales of this thread's column pair of 8-column group g.
+      auto stage_sb = [&](uint32_t stage_, uint32_t g) {
+        return *reinterpret_cast<const Float2*>(sb_cols + stage_ * Layout::kSbStage + g * 8);
+      };
       // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
-      // K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col] (read from the
-      // stage, which is released only after this).
-      auto promote = [&](float (&acc_)[kNumAccum], uint32_t stage_) {
+      // K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col].
+      auto promote = [&](float (&acc_)[kNumAccum], float sa0, float sa1,
+                         const Float2 (&sb_)[kNumColGroups]) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-        const float sa0 = sa_rows[stage_ * Layout::kSaStage];
-        const float sa1 = sa_rows[stage_ * Layout::kSaStage + 8];
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g) {
-          const Float2 sb = *reinterpret_cast<const Float2*>(sb_cols + stage_ * Layout::kSbStage + g * 8);
+          const Float2 sb = sb_[g];
           final_acc[4 * g + 0] = fmaf(acc_[4 * g + 0], sa0 * sb.x, final_acc[4 * g + 0]);
           final_acc[4 * g + 1] = fmaf(acc_[4 * g + 1], sa0 * sb.y, final_acc[4 * g + 1]);
           final_acc[4 * g + 2] = fmaf(acc_[4 * g + 2], sa1 * sb.x, final_acc[4 * g + 2]);
@@ -317,8 +319,13 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             } else {
               wgmma_wait<0>();
             }
-            promote(cur, held[j % 2]);
-            release(held[j % 2]);
+            // The scales are read from the stage, which is released only after the promotion.
+            const uint32_t s = held[j % 2];
+            Float2 sb[kNumColGroups];
+#pragma unroll
+            for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
+            promote(cur, sa_rows[s * Layout::kSaStage], sa_rows[s * Layout::kSaStage + 8], sb);
+            release(s);
           }
         }
       }
@@ -331,19 +338,10 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         const float sa1 = sa_rows[s * Layout::kSaStage + 8];
         Float2 sb[kNumColGroups];
 #pragma unroll
-        for (uint32_t g = 0; g < kNumColGroups; ++g)
-          sb[g] = *reinterpret_cast<const Float2*>(sb_cols + s * Layout::kSbStage + g * 8);
+        for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
         wgmma_wait<0>();
         release(s);
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-#pragma unroll
-        for (uint32_t g = 0; g < kNumColGroups; ++g) {
-          final_acc[4 * g + 0] = fmaf(acc[4 * g + 0], sa0 * sb[g].x, final_acc[4 * g + 0]);
-          final_acc[4 * g + 1] = fmaf(acc[4 * g + 1], sa0 * sb[g].y, final_acc[4 * g + 1]);
-          final_acc[4 * g + 2] = fmaf(acc[4 * g + 2], sa1 * sb[g].x, final_acc[4 * g + 2]);
-          final_acc[4 * g + 3] = fmaf(acc[4 * g + 3], sa1 * sb[g].y, final_acc[4 * g + 3]);
-        }
+        promote(acc, sa0, sa1, sb);
       }
 
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
