@@ -56,8 +56,9 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 152}
 # the tensor-core time.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
 # The heuristic picks two-accumulator tiles only once the H200 has run them against the
-# one-accumulator kernel (`scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --variants
-# base,two_accum=1`); until then they are built only when a config asks for them.
+# one-accumulator kernel (`scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad
+# --variants base,block_n=128+two_accum=1`); until then they are built only when a config asks
+# for them.
 PICK_TWO_ACCUM = False
 
 
