@@ -165,13 +165,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     tma_prefetch_descriptor(&tmap_sa);
     tma_prefetch_descriptor(&tmap_sb);
   }
-  if (threadIdx.x == 0) {
-    for (uint32_t s = 0; s < kNumStages; ++s) {
-      mbar_init(&full_bar[s], 1);
-      mbar_init(&empty_bar[s], kNumMathWarps);  // one arrival per math warp
-    }
-    fence_barrier_init();
-  }
+  // One arrival per math warp frees a stage.
+  if (threadIdx.x == 0) init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps);
   __syncthreads();
 
   Scheduler1d1d<kKGrouped, BLOCK_M, kNumNBlocks, kBandSize> scheduler(shape_m, shape_k, ks,

@@ -157,14 +157,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     tma_prefetch_descriptor(&tmap_d);
     tma_prefetch_descriptor(&tmap_d_tail);
   }
-  if (threadIdx.x == 0) {
-    for (uint32_t s = 0; s < kNumStages; ++s) {
-      mbar_init(&full_bar[s], 1);
-      // One arrival per math warp of every CTA that writes into this stage.
-      mbar_init(&empty_bar[s], kNumMathWarps * kNumTMAMulticast);
-    }
-    fence_barrier_init();
-  }
+  // One arrival per math warp of every CTA that writes into a stage frees it.
+  if (threadIdx.x == 0)
+    init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps * kNumTMAMulticast);
   if constexpr (kNumTMAMulticast > 1) {
     cluster_sync();
   } else {

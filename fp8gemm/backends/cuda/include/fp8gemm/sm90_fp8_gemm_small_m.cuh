@@ -119,13 +119,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     tma_prefetch_descriptor(&tmap_b);
     tma_prefetch_descriptor(&tmap_sa);
   }
-  if (threadIdx.x == 0) {
-    for (uint32_t s = 0; s < kNumStages; ++s) {
-      mbar_init(&full_bar[s], 1);
-      mbar_init(&empty_bar[s], 4);  // one arrival per warp of the warpgroup that reads it
-    }
-    fence_barrier_init();
-  }
+  // One arrival per warp of the warpgroup that reads a stage frees it.
+  if (threadIdx.x == 0) init_stage_ring(full_bar, empty_bar, kNumStages, 4);
   // NOTE: the barriers and TMA loads are all CTA-local; the cluster first meets at the
   // reduction, whose barrier also guarantees that every peer is running before its shared
   // memory is read.

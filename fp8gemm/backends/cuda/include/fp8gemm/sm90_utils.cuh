@@ -73,6 +73,18 @@ __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
+// The mbarriers of a ring of `num_stages` stages, set up by one thread: full_bar[s] completes on
+// the producer's one arrival and the TMA bytes it expects, empty_bar[s] on `consumer_arrivals`
+// arrivals; the initialisation is then released to the cluster.
+__device__ __forceinline__ void init_stage_ring(uint64_t* full_bar, uint64_t* empty_bar,
+                                                uint32_t num_stages, uint32_t consumer_arrivals) {
+  for (uint32_t s = 0; s < num_stages; ++s) {
+    mbar_init(&full_bar[s], 1);
+    mbar_init(&empty_bar[s], consumer_arrivals);
+  }
+  fence_barrier_init();
+}
+
 // --- clusters --------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t cluster_cta_rank() {
   uint32_t rank;
