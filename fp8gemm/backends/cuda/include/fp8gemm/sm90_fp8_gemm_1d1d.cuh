@@ -215,18 +215,21 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum], final_acc[kNumAccum];
+    const bool in_place = c == out;
 
     while (scheduler.next(tile)) {
       const uint32_t row0 = static_cast<uint32_t>(tile.m0) + r0;
       const uint32_t col0 = tile.n_block * BLOCK_N + col_in_group;
       // This tile's group's [M, N] of out and c.
       const uint64_t group_off = static_cast<uint64_t>(tile.group) * shape_m * SHAPE_N;
-      // The FP32 sums start from c (each thread reads exactly the elements it later writes, so
-      // c may be out).
+      // c == out (the weight gradient accumulated in place): nothing to add or write.
+      if (in_place && tile.num_kb == 0) continue;
+      // A separate c: the FP32 sums start from it (each thread reads exactly the elements it
+      // later writes).
       // NOTE: the loads are waited for at the first promotion, so they run under the first
       // k-block's barrier wait and wgmma. Issued after the wgmma instead, they made ptxas spill
       // (the accumulator in flight and 64 more live values).
-      if (c != nullptr) {
+      if (c != nullptr && !in_place) {
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g) {
           const uint32_t col = col0 + g * 8;
@@ -342,6 +345,10 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
       // NOTE: a warp's store writes 8 rows x 32 contiguous bytes, whole 32-byte sectors; staging
       // an FP32 tile in shared memory would cost BLOCK_M * BLOCK_N * 4 bytes of pipeline stages.
+      // In place (c == out) the sums are added by L2 reductions (red, fire and forget) instead of
+      // loading c: a load's latency at the start of every tile, with no wgmma to hide it behind,
+      // cost a fifth of the weight gradient's time. One thread owns each element, so the result
+      // does not depend on the order of the reductions; red.add.f32 flushes subnormals to zero.
 #pragma unroll
       for (uint32_t g = 0; g < kNumColGroups; ++g) {
         const uint32_t col = col0 + g * 8;
@@ -353,7 +360,13 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           const float v0 = final_acc[4 * g + 2 * h + 0], v1 = final_acc[4 * g + 2 * h + 1];
           if constexpr (SHAPE_N % 2 == 0) {
             // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
-            asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+            if (in_place)
+              asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+            else
+              asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+          } else if (in_place) {
+            asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v0) : "memory");
+            if (col + 1 < SHAPE_N) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v1) : "memory");
           } else {
             dst[0] = v0;
             if (col + 1 < SHAPE_N) dst[1] = v1;
