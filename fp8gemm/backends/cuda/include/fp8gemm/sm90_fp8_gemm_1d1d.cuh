@@ -104,6 +104,12 @@ struct alignas(8) Float2 {
   float x, y;
 };
 
+#ifndef FP8GEMM_1D1D_IN_PLACE_RED
+#define FP8GEMM_1D1D_IN_PLACE_RED 1
+#endif
+// c == out: L2 reductions (1) or loads, adds and stores (0).
+constexpr bool kInPlaceRed = FP8GEMM_1D1D_IN_PLACE_RED;
+
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
@@ -182,10 +188,21 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
       const uint32_t stage_tx_bytes =
           a_rows * BLOCK_K + Layout::SMEM_B + (BLOCK_M + BLOCK_N) * 4;
+      // c's tile is read only by the epilogue; its rows are brought into L2 once the tile's first
+      // k-block is on its way (whole 16-byte units: N % 4 == 0 and c on 16 bytes), so that the
+      // epilogue's accesses hit L2 rather than wait for HBM with the tensor cores idle.
+      const bool prefetch_c = SHAPE_N % 4 == 0 && c != nullptr &&
+                              reinterpret_cast<uint64_t>(c) % 16 == 0;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
         for (uint32_t i = 0; i < tile.num_kb; ++i) {
+          if (prefetch_c && i == 1 % tile.num_kb) {
+            const uint32_t rows = min(BLOCK_M, shape_m - static_cast<uint32_t>(m0));
+            const uint32_t bytes = min(BLOCK_N, SHAPE_N - static_cast<uint32_t>(n0)) * 4;
+            const float* src = c + (static_cast<uint64_t>(tile.group) * shape_m + m0) * SHAPE_N + n0;
+            for (uint32_t r = 0; r < rows; ++r) bulk_prefetch_l2(src + r * SHAPE_N, bytes);
+          }
           mbar_wait(&empty_bar[stage], phase ^ 1);
           uint64_t* bar = &full_bar[stage];
           mbar_arrive_expect_tx(bar, stage_tx_bytes);
@@ -224,28 +241,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       const uint64_t group_off = static_cast<uint64_t>(tile.group) * shape_m * SHAPE_N;
       // c == out (the weight gradient accumulated in place): nothing to add or write.
       if (in_place && tile.num_kb == 0) continue;
-      // A separate c: the FP32 sums start from it (each thread reads exactly the elements it
-      // later writes).
-      // NOTE: the loads are waited for at the first promotion, so they run under the first
-      // k-block's barrier wait and wgmma. Issued after the wgmma instead, they made ptxas spill
-      // (the accumulator in flight and 64 more live values).
-      if (c != nullptr && !in_place) {
 #pragma unroll
-        for (uint32_t g = 0; g < kNumColGroups; ++g) {
-          const uint32_t col = col0 + g * 8;
-#pragma unroll
-          for (uint32_t h = 0; h < 2; ++h) {
-            const uint32_t row = row0 + h * 8;
-            const bool ok = row < shape_m && col < SHAPE_N;
-            const float* src = c + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
-            final_acc[4 * g + 2 * h + 0] = ok ? src[0] : 0.0f;
-            final_acc[4 * g + 2 * h + 1] = ok && col + 1 < SHAPE_N ? src[1] : 0.0f;
-          }
-        }
-      } else {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
-      }
+      for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
 
       // The wgmma of one k-block into `acc_`, on stage `stage_`; each k-step of 32 bytes moves
       // the descriptors' start address by 32 >> 4 = 2, the first starts a fresh partial sum
@@ -345,10 +342,35 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
       // NOTE: a warp's store writes 8 rows x 32 contiguous bytes, whole 32-byte sectors; staging
       // an FP32 tile in shared memory would cost BLOCK_M * BLOCK_N * 4 bytes of pipeline stages.
-      // In place (c == out) the sums are added by L2 reductions (red, fire and forget) instead of
-      // loading c: a load's latency at the start of every tile, with no wgmma to hide it behind,
-      // cost a fifth of the weight gradient's time. One thread owns each element, so the result
-      // does not depend on the order of the reductions; red.add.f32 flushes subnormals to zero.
+      // In place (c == out) the sums are added by L2 reductions (red, fire and forget); a
+      // separate c is loaded into the accumulator registers, dead by now, and added. Either way
+      // c's tile was prefetched into L2 during the k-loop. One thread owns each element, so the
+      // result does not depend on the order of the reductions; red.add.f32 flushes subnormals.
+      if (c != nullptr && !(kInPlaceRed && in_place)) {
+        const bool c_v2 = SHAPE_N % 2 == 0 && reinterpret_cast<uint64_t>(c) % 8 == 0;
+#pragma unroll
+        for (uint32_t g = 0; g < kNumColGroups; ++g) {
+          const uint32_t col = col0 + g * 8;
+#pragma unroll
+          for (uint32_t h = 0; h < 2; ++h) {
+            const uint32_t row = row0 + h * 8;
+            const bool ok = row < shape_m && col < SHAPE_N;
+            const float* src = c + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
+            float& v0 = acc[4 * g + 2 * h + 0];
+            float& v1 = acc[4 * g + 2 * h + 1];
+            v0 = v1 = 0.0f;
+            if (ok && c_v2) {
+              asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v0), "=f"(v1) : "l"(src));
+            } else if (ok) {
+              v0 = src[0];
+              if (col + 1 < SHAPE_N) v1 = src[1];
+            }
+          }
+        }
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] += acc[i];
+      }
+      const bool red = kInPlaceRed && in_place;
 #pragma unroll
       for (uint32_t g = 0; g < kNumColGroups; ++g) {
         const uint32_t col = col0 + g * 8;
@@ -360,11 +382,11 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           const float v0 = final_acc[4 * g + 2 * h + 0], v1 = final_acc[4 * g + 2 * h + 1];
           if constexpr (SHAPE_N % 2 == 0) {
             // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
-            if (in_place)
+            if (red)
               asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
             else
               asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
-          } else if (in_place) {
+          } else if (red) {
             asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v0) : "memory");
             if (col + 1 < SHAPE_N) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v1) : "memory");
           } else {

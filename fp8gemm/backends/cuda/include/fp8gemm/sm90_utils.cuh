@@ -145,6 +145,12 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const TmaDescriptor* des
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(desc)) : "memory");
 }
 
+// Bring `bytes` of global memory at `src` into L2 without waiting (both multiples of 16).
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<uint64_t>(src)),
+               "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDescriptor* desc, uint64_t* bar,
                                             int32_t c0, int32_t c1) {
   asm volatile(
