@@ -253,8 +253,6 @@ def test_every_picked_kernel_compiles_clean(tmp_path, monkeypatch):
         cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
                                two)
         seen.setdefault((n, cfg), (None, n, None))
-    for tile in MULTICAST_TILES:
-        seen.setdefault((7168, _multicast_cfg(*tile)), (None, 7168, None))
     for (n, cfg), shape in seen.items():
         _, compiled, _, _ = g.compile_kernel(n, cfg)
         _assert_clean(compiled, cfg, tool, tmp_path, f"{shape} {cfg}")
@@ -345,45 +343,6 @@ def test_other_tiles(bm, bn, two, gpu_device):
     out = poisoned((m, n), torch.float32, gpu_device)
     _run(a, sa, b, sb, out, c, cfg)
     assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, str(cfg))
-
-
-# 2-CTA clusters: (block_m, block_n, two_accum, multicast_on_a).
-MULTICAST_TILES = [(128, 128, False, True), (128, 128, False, False), (128, 136, True, True),
-                   (64, 184, False, False)]
-
-
-def _multicast_cfg(bm, bn, two, on_a, grid=6):
-    # (a grid of 6 CTAs, 3 pairs, runs several tiles per CTA)
-    return g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, grid,
-                            two, 2, on_a)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm,bn,two,on_a", MULTICAST_TILES)
-@pytest.mark.parametrize("c_mode", ["none", "alias"])
-def test_multicast(bm, bn, two, on_a, c_mode, gpu_device):
-    """The cluster leader's loads shared with its peer: M, N and K tails (the shared side an
-    even block count, the last one partial), several tiles per CTA, repeats bit-identical."""
-    m, n = (300, 4 * bn - 6) if on_a else (4 * bm - 9, 3 * bn - 2)
-    k = 1100
-    a, sa, b, sb = _operands(m, n, k, gpu_device)
-    cfg = _multicast_cfg(bm, bn, two, on_a)
-    c = torch.randn(m, n, device=gpu_device) * 64
-    runs = []
-    for _ in range(3):
-        out = c.clone() if c_mode == "alias" else poisoned((m, n), torch.float32, gpu_device)
-        runs.append(_run(a, sa, b, sb, out, out if c_mode == "alias" else None, cfg))
-    ref = _reference(a, sa, b, sb, c if c_mode == "alias" else None)
-    assert_close_diff(runs[0], ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} {cfg} c={c_mode}")
-    assert all(torch.equal(r, runs[0]) for r in runs[1:])
-
-
-def test_multicast_refuses_unpaired_tiles():
-    p = problem(300, 3 * 128, 1024)  # 3 n-blocks: a pair sharing A would straddle two m-blocks
-    with pytest.raises(ValueError, match="even block count"):
-        g.Sm90Plan1d1d(p, 0, _multicast_cfg(128, 128, False, True))
-    with pytest.raises(ValueError, match="even grid"):
-        g.Sm90Plan1d1d(problem(512, 512, 1024), 0, _multicast_cfg(128, 128, False, True, grid=5))
 
 
 @pytest.mark.gpu
@@ -512,11 +471,11 @@ def _k_reference(a, sa, b, sb, ks, c=None):
     return out if c is None else out + c.double()
 
 
-def _k_run(a, sa, b, sb, ks_t, out, c=None, cfg=None):
+def _k_run(a, sa, b, sb, ks_t, out, c=None):
     p = k_problem(a.shape[0], b.shape[0], [0] * ks_t.shape[0], has_c=c is not None)
     p = replace(p, k=a.shape[1])
     assert family_for(p) is g.K_GROUPED
-    g.K_GROUPED.run(cfg or g.K_GROUPED.config_for(p, a.device), p, a, sa, b, sb, out, c, ks_t)
+    g.K_GROUPED.run(g.K_GROUPED.config_for(p, a.device), p, a, sa, b, sb, out, c, ks_t)
     return out
 
 
@@ -544,22 +503,6 @@ def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
         assert all((out[i] == 0).all() for i, k in enumerate(ks) if k == 0)
     if c_mode == "alias":  # a group of nothing leaves its slice of out untouched, bit for bit
         assert all(torch.equal(out[i], c[i]) for i, k in enumerate(ks) if k == 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("on_a", [True, False])
-def test_k_grouped_multicast(on_a, gpu_device):
-    """Clusters over k-grouped tiles: a pair stays in one group (groups moved to k-blocks,
-    groups of nothing left untouched in place)."""
-    m, n, ks = (300, 506, (1000, 37, 0, 129, 17)) if on_a else (503, 300, (640, 0, 200))
-    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
-    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
-    out = c.clone()
-    _k_run(a, sa, b, sb, ks_t, out, out, _multicast_cfg(128, 128, False, on_a))
-    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
-                      f"{m}x{n} ks={ks} multicast on {'A' if on_a else 'B'}")
-    assert all(torch.equal(out[i], c[i]) for i, k in enumerate(ks) if k == 0)
 
 
 @pytest.mark.gpu

@@ -93,8 +93,6 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    num_multicast: int = 1  # CTAs per cluster sharing one TMA load of an operand (1 or 2)
-    multicast_on_a: bool = True  # which operand the cluster shares (when num_multicast == 2)
 
     @property
     def num_threads(self) -> int:
@@ -109,9 +107,7 @@ class Sm90Config1d1d:
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else "")
-                + (f" multicast={self.num_multicast}{'A' if self.multicast_on_a else 'B'}"
-                   if self.num_multicast > 1 else ""))
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -193,8 +189,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False) -> tuple
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{'true' if k_grouped else 'false'}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{'true' if cfg.two_accum else 'false'}, {cfg.num_multicast}, "
-            f"{'true' if cfg.multicast_on_a else 'false'}>")
+            f"{'true' if cfg.two_accum else 'false'}>")
     return source, name
 
 
@@ -246,21 +241,10 @@ class Sm90Plan1d1d:
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.k_grouped = problem.kind is GemmKind.K_GROUPED
-        if cfg.num_multicast not in (1, 2):
-            raise ValueError(f"config {cfg}: num_multicast must be 1 or 2")
-        if cfg.num_multicast == 2:
-            # A pair's tiles must share the operand (and, k-grouped, the group): an even block
-            # count on the shared side, an even band and an even grid.
-            blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
-                      else ceil_div(self.m, cfg.block_m))
-            if blocks % 2 or cfg.band_size % 2 or cfg.grid % 2:
-                raise ValueError(f"config {cfg}: multicast needs an even block count on the "
-                                 f"shared side, an even band and an even grid")
         self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped),
                                 (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(cfg.smem, device_index)
-        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem,
-                                       (cfg.num_multicast, 1, 1))
+        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem)
         self.packs: dict[tuple, jit.ParamPack] = {}
         self.tmaps = jit.TensorMapCache(capacity=512)
 

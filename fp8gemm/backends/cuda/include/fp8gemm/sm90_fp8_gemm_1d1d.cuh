@@ -53,10 +53,9 @@ struct Tile1d1d {
 // K-grouped: tile t of the sequence is tile t % (tiles per group) of group t / (tiles per group),
 // each group banded as a dense GEMM; the walk keeps the running K and k-block offsets of the
 // groups it has passed (CTAs visit tiles in increasing order), reading ks as it goes.
-template <bool kKGrouped, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize,
-          bool kBandAlongM>
+template <bool kKGrouped, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize>
 struct Scheduler1d1d {
-  using Dense = TileScheduler<kKindDense, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM>;
+  using Dense = TileScheduler<kKindDense, BLOCK_M, kNumNBlocks, kBandSize, false>;
   Dense dense;
   const int32_t* ks;
   uint32_t num_groups, num_m_blocks, shape_k, next_tile;
@@ -105,9 +104,14 @@ struct alignas(8) Float2 {
   float x, y;
 };
 
+#ifndef FP8GEMM_1D1D_IN_PLACE_RED
+#define FP8GEMM_1D1D_IN_PLACE_RED 1
+#endif
+// c == out: L2 reductions (1) or loads, adds and stores (0).
+constexpr bool kInPlaceRed = FP8GEMM_1D1D_IN_PLACE_RED;
+
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, uint32_t kNumMulticast,
-          bool kMulticastOnA>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
@@ -130,8 +134,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   // stage's B scales of their columns (BLOCK_N/4). 128 * 40 + 256 * 232 fits the 64K-register
   // file; one math warpgroup (BLOCK_M = 64) can take 256.
   constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
-  // A 2-CTA cluster's pair of tiles shares A (multicast on A: the same m-block) or B.
-  constexpr bool kBandAlongM = kNumMulticast > 1 && !kMulticastOnA;
 
   // --- static checks ----------------------------------------------------------------------------
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups of 64 rows each");
@@ -141,8 +143,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   static_assert(!kTwoAccum || kNumStages >= 3,
                 "two k-blocks in flight and one being filled need three stages");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
-  static_assert(kNumMulticast == 1 || kNumMulticast == 2, "clusters of 1 or 2 CTAs");
-  static_assert(kNumMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
   uint32_t dyn_smem;
@@ -171,21 +171,12 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     tma_prefetch_descriptor(&tmap_sa);
     tma_prefetch_descriptor(&tmap_sb);
   }
-  // One arrival per math warp of every CTA that reads a stage frees it (the cluster leader's
-  // multicast writes into both CTAs' stages).
-  if (threadIdx.x == 0)
-    init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps * kNumMulticast);
-  if constexpr (kNumMulticast > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  // One arrival per math warp frees a stage.
+  if (threadIdx.x == 0) init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps);
+  __syncthreads();
 
-  // NOTE: with a cluster, the host guarantees an even CTA count, an even block count on the
-  // shared side and (k-grouped) an even tile count per group, so the pair's tiles 2j and 2j + 1
-  // share the operand and their group's k-blocks.
-  Scheduler1d1d<kKGrouped, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM> scheduler(
-      shape_m, shape_k, ks, num_groups);
+  Scheduler1d1d<kKGrouped, BLOCK_M, kNumNBlocks, kBandSize> scheduler(shape_m, shape_k, ks,
+                                                                       num_groups);
   Tile1d1d tile;
 
   if (warpgroup == kNumMathThreads / 128) {
@@ -202,7 +193,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // epilogue's accesses hit L2 rather than wait for HBM with the tensor cores idle.
       const bool prefetch_c = SHAPE_N % 4 == 0 && c != nullptr &&
                               reinterpret_cast<uint64_t>(c) % 16 == 0;
-      const bool is_leader = kNumMulticast == 1 || cluster_cta_rank() == 0;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
@@ -217,22 +207,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           uint64_t* bar = &full_bar[stage];
           mbar_arrive_expect_tx(bar, stage_tx_bytes);
           const int32_t kb = static_cast<int32_t>(tile.kb0 + i);
-          const int32_t k0 = kb * static_cast<int32_t>(BLOCK_K);
-          uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
-          uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
-          // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
-          // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
-          // Each CTA loads its own scales (the shared operand's are a few hundred bytes).
-          if (kNumMulticast > 1 && kMulticastOnA) {
-            if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
-          } else {
-            tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
-          }
-          if (kNumMulticast > 1 && !kMulticastOnA) {
-            if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
-          } else {
-            tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
-          }
+          tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, kb * static_cast<int32_t>(BLOCK_K), m0);
+          tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, kb * static_cast<int32_t>(BLOCK_K), n0);
           tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, m0, kb);
           tma_load_2d(smem_sb + stage * Layout::kSbStage, &tmap_sb, bar, n0, kb);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
@@ -303,14 +279,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           final_acc[4 * g + 3] = fmaf(acc_[4 * g + 3], sa1 * sb.y, final_acc[4 * g + 3]);
         }
       };
-      // The stage is free once this warp's wgmma and scale reads are done: released to every
-      // CTA whose producer writes into it.
+      // The stage is free once this warp's wgmma and scale reads are done.
       auto release = [&](uint32_t stage_) {
-        if constexpr (kNumMulticast == 1) {
-          if (lane == 0) mbar_arrive(&empty_bar[stage_]);
-        } else {
-          if (lane < kNumMulticast) mbar_arrive_cluster(&empty_bar[stage_], lane);
-        }
+        if (lane == 0) mbar_arrive(&empty_bar[stage_]);
       };
       auto take = [&]() {
         const uint32_t s = stage;
@@ -373,12 +344,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // an FP32 tile in shared memory would cost BLOCK_M * BLOCK_N * 4 bytes of pipeline stages.
       // In place (c == out) the sums are added by L2 reductions (red, fire and forget); a
       // separate c is loaded into the accumulator registers, dead by now, and added. Either way
-      // c's tile was prefetched into L2 during the k-loop (on the H200 the in-place weight
-      // gradient at 2112x7168x4096 took 185 us with reductions alone, 166 with the prefetch,
-      // 188 with the prefetch and loads, 154 with no c at all). One thread owns each element, so
-      // the result does not depend on the order of the reductions; red.add.f32 flushes
-      // subnormals.
-      if (c != nullptr && !in_place) {
+      // c's tile was prefetched into L2 during the k-loop. One thread owns each element, so the
+      // result does not depend on the order of the reductions; red.add.f32 flushes subnormals.
+      if (c != nullptr && !(kInPlaceRed && in_place)) {
         const bool c_v2 = SHAPE_N % 2 == 0 && reinterpret_cast<uint64_t>(c) % 8 == 0;
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g) {
@@ -402,6 +370,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] += acc[i];
       }
+      const bool red = kInPlaceRed && in_place;
 #pragma unroll
       for (uint32_t g = 0; g < kNumColGroups; ++g) {
         const uint32_t col = col0 + g * 8;
@@ -413,11 +382,11 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           const float v0 = final_acc[4 * g + 2 * h + 0], v1 = final_acc[4 * g + 2 * h + 1];
           if constexpr (SHAPE_N % 2 == 0) {
             // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
-            if (in_place)
+            if (red)
               asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
             else
               asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
-          } else if (in_place) {
+          } else if (red) {
             asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v0) : "memory");
             if (col + 1 < SHAPE_N) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v1) : "memory");
           } else {
@@ -428,14 +397,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       }
     }
   }
-
-  // NOTE: a CTA must not exit while its cluster peer may still arrive on its barriers or write
-  // into its shared memory.
-  if constexpr (kNumMulticast > 1) {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-  }
 #else
-  // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg, TMA multicast).
+  // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg).
   if (blockIdx.x == 0 && threadIdx.x == 0) asm volatile("trap;");
 #endif
 }
