@@ -424,11 +424,13 @@ def test_dense_family_refuses_grouped_and_back():
 
 def test_masked_config_follows_expected_m():
     """expected_m, not Mmax, sizes the masked tiles: a decode batch of 8 rows per expert gets
-    64-row tiles whatever Mmax is."""
-    small = g.GROUPED.select_config(grouped_problem(GemmKind.MASKED, 1024, 32, 8, 7168, 2048), H200)
-    large = g.GROUPED.select_config(grouped_problem(GemmKind.MASKED, 1024, 32, 1024, 7168, 2048),
-                                    H200)
-    assert small.block_m == 64 and large.block_m == 128
+    64-row tiles whatever Mmax is, MASKED_TALL_MIN_ROWS expected rows 256-row tiles."""
+    def block_m(expected_m):
+        p = grouped_problem(GemmKind.MASKED, 1024, 32, expected_m, 7168, 2048)
+        return g.GROUPED.select_config(p, H200).block_m
+
+    assert block_m(8) == 64 and block_m(g.MASKED_TALL_MIN_ROWS - 8) == 128
+    assert block_m(g.MASKED_TALL_MIN_ROWS) == block_m(1024) == 256
 
 
 def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
