@@ -50,15 +50,15 @@ MAX_STAGES = 8
 # 152 spills 76 bytes k-grouped).
 TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # NOTE: with one accumulator the promotion runs after each wgmma and before the next one: the
-# two math warpgroups wait on the same stage, so the tensor cores idle while they promote. On the
-# H200 that kernel ran the suite's weight gradients at 0.80-0.85x cuBLAS and DeepGEMM's
-# overlapped kernel at 0.97-1.03x; next to two-accumulator tiles the model charges it 1 / 0.82 of
-# the tensor-core time.
+# two math warpgroups wait on the same stage, so the tensor cores idle while they promote.
+# Offered two-accumulator tiles (PICK_TWO_ACCUM), the model would charge it 1 / 0.82 of the
+# tensor-core time. It does not offer them: on the H200, timed against the one-accumulator
+# kernel on the suite's in-place weight gradients (`scripts/cuda_tiles.py --family
+# sm90_fp8_gemm_1d1d --kind wgrad --variants base,block_n=128+two_accum=1`), 128x128 with two
+# accumulators ran within 1 %, 128x136 with two 1 % faster at 2112x7168 and 3-6 % slower at
+# 24576x1536 and 7168x2048: the promotion does not bound this kernel. A config may still ask for
+# them.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
-# The heuristic picks two-accumulator tiles only once the H200 has run them against the
-# one-accumulator kernel (`scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad
-# --variants base,block_n=128+two_accum=1`); until then they are built only when a config asks
-# for them.
 PICK_TWO_ACCUM = False
 
 
