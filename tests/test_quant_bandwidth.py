@@ -42,3 +42,6 @@ def test_agrees_takes_one_step_on_few_elements_only():
     m[idx] = torch.where((m[idx] & 0x7F) > 0, m[idx] - 1, m[idx] + 1)
     assert not qb.agrees(many.view(tq.dtype), s, tq, ts)
     assert not qb.agrees(q, s * 2, tq, ts)
+    # scales one float32 rounding apart (the GPU's silu) agree; 1e-5 apart do not
+    assert qb.agrees(q, s * (1 + 2 ** -23), tq, ts)
+    assert not qb.agrees(q, s * (1 + 1e-5), tq, ts)
