@@ -116,11 +116,9 @@ def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int
     order, expert, rank, counts = _sort_slots(topk_ids, num_groups)
     kept = (expert < num_groups) & (rank < max_m)
     flat_row = torch.where(kept, expert.clamp_max(num_groups - 1) * max_m + rank, -1)
-    xm = torch.zeros((num_groups * max_m, x.shape[1]), dtype=x.dtype, device=x.device)
     # NOTE: index_copy with a fixed-size index keeps shapes static; dropped slots go to a
     # scratch row past the end, sliced away.
-    scratch = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
-    xm = torch.cat([xm, scratch])
+    xm = torch.zeros((num_groups * max_m + 1, x.shape[1]), dtype=x.dtype, device=x.device)
     src = x[order // topk_ids.shape[1]]
     if xm.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # index_copy_ has no CPU fp8 kernel
         xm, src = xm.view(torch.uint8), src.view(torch.uint8)
@@ -137,6 +135,30 @@ def _combine(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torc
     if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != row_of_slot.shape:
         raise ValueError(f"topk_weights must have shape {list(row_of_slot.shape)}, got "
                          f"{getattr(topk_weights, 'shape', type(topk_weights).__name__)}")
+    if topk_weights.device != y_rows.device:
+        raise ValueError(f"topk_weights must be on {y_rows.device} like y, got "
+                         f"{topk_weights.device}")
+    if _triton_combine_runs(y_rows) and not (torch.is_grad_enabled() and (
+            y_rows.requires_grad or topk_weights.requires_grad)):
+        from .backends.triton.moe import moe_combine
+
+        return moe_combine(y_rows, row_of_slot, topk_weights)
+    return _combine_torch(y_rows, row_of_slot, topk_weights)
+
+
+def _triton_combine_runs(y_rows: torch.Tensor) -> bool:
+    """The Triton combine on a CUDA GPU it runs on, outside torch.compile's tracing (which
+    traces the torch code, the kernel's specification). A combine that autograd records (y or
+    the weights need a gradient) runs the torch code: the kernel has no backward."""
+    if not y_rows.is_cuda or y_rows.stride(-1) != 1 or torch.compiler.is_compiling():
+        return False
+    from .backends import triton_runs_on
+
+    return triton_runs_on(y_rows.device.index if y_rows.device.index is not None
+                          else torch.cuda.current_device())
+
+
+def _combine_torch(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torch.Tensor):
     valid = (row_of_slot >= 0).unsqueeze(-1)
     if y_rows.shape[0] == 0:  # every slot dropped: nothing to gather
         y_rows = y_rows.new_zeros(1, y_rows.shape[1])
@@ -150,7 +172,9 @@ def _combine(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torc
 def moe_combine_contiguous(y: torch.Tensor, layout: ContiguousLayout,
                            topk_weights: torch.Tensor) -> torch.Tensor:
     """y [R, N] from the grouped GEMM -> [T, N]: sum over slots of weight * expert output,
-    in float32, returned in y's dtype. Dropped slots contribute nothing."""
+    in float32, returned in y's dtype. Dropped slots contribute nothing. On a GPU (no gradient
+    recorded) one Triton kernel reads each kept row of y once and writes [T, N] once; no host
+    synchronisation either way."""
     if y.dim() != 2 or y.shape[0] != layout.x.shape[0]:
         raise ValueError(f"y must be [R, N] with R = {layout.x.shape[0]}, got {list(y.shape)}")
     return _combine(y, layout.row_of_slot, topk_weights)

@@ -7,7 +7,6 @@ clamped to +-fmt_max, rounded to nearest in the fp8 format. Real value = q * sca
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -96,15 +95,11 @@ def _triton_quant(x: torch.Tensor):
                            else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
 def _triton_kernels(device_index: int):
-    """Triton's quantisation module where it runs on this GPU, else None. Looked up once per
-    device: this runs on every activation quantisation, and the answer cannot change within a
-    process (Triton picks its interpreter when first imported)."""
-    from .backends import get_backend
+    """Triton's quantisation module where it runs on this GPU, else None."""
+    from .backends import triton_runs_on
 
-    triton = get_backend("triton")
-    if triton is None or not triton.is_available(torch.device("cuda", device_index)):
+    if not triton_runs_on(device_index):
         return None
     from .backends.triton import quant as kernels
 

@@ -1,4 +1,4 @@
-"""Compile the Triton GEMM and quantisation kernels for sm_90a on a machine without a GPU and report
+"""Compile the Triton GEMM, quantisation and MoE combine kernels for sm_90a on a machine without a GPU and report
 registers, spills and shared memory per config (Triton ships ptxas). Catches compile errors and
 register spills before any GPU time is spent.
 
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from fp8gemm.backends.triton import fp8_gemm, quant  # noqa: E402
+from fp8gemm.backends.triton import fp8_gemm, moe, quant  # noqa: E402
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -79,7 +79,7 @@ def main():
         if args.ptx:
             args.ptx.mkdir(parents=True, exist_ok=True)
             (args.ptx / f"gemm_{i}.ptx").write_text(k.asm["ptx"])
-    for name, k in quant.compile_kernels(TARGET):
+    for name, k in quant.compile_kernels(TARGET) + moe.compile_kernels(TARGET):
         print(f"{name}: {resources(k)}")
 
 

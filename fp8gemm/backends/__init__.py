@@ -38,6 +38,7 @@ group's K may be 0), out [G, M, N] float32 written everywhere, c None, [G, M, N]
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -46,7 +47,7 @@ import torch
 from .._settings import settings
 from ..problem import GemmProblem
 
-__all__ = ["NAMES", "get_backend", "select_backend"]
+__all__ = ["NAMES", "get_backend", "select_backend", "triton_runs_on"]
 
 NAMES = ("cuda", "triton", "reference")
 _MODULES = {"cuda": ".cuda", "triton": ".triton", "reference": ".reference"}
@@ -71,6 +72,16 @@ def get_backend(name: str) -> ModuleType | None:
             _loaded[name] = None
             _load_errors[name] = f"{type(e).__name__}: {e}"
     return _loaded[name]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_runs_on(device_index: int) -> bool:
+    """Whether the Triton backend runs on CUDA device `device_index`: the quantisers and the MoE
+    combine then run their Triton kernels. Looked up once per device: they ask on every call,
+    and the answer cannot change within a process (Triton picks its interpreter when first
+    imported)."""
+    triton = get_backend("triton")
+    return triton is not None and triton.is_available(torch.device("cuda", device_index))
 
 
 def load_error(name: str) -> str | None:
