@@ -309,9 +309,12 @@ def test_triton_combine_interpreted():
 
 
 @pytest.mark.gpu
-def test_triton_combine_on_the_gpu(gpu_device):
-    """The public combine on CUDA tensors runs the Triton kernel; it agrees with the torch spec
-    and repeats bit for bit."""
+def test_triton_combine_on_the_gpu(gpu_device, monkeypatch):
+    """The Triton kernel on CUDA tensors, alone and as the public combine runs it with
+    TRITON_COMBINE: it agrees with the torch spec and repeats bit for bit."""
+    import fp8gemm.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "TRITON_COMBINE", True)
     namespace = {}
     exec(_COMBINE_CASES, namespace)
     namespace["check"](gpu_device)
