@@ -143,18 +143,34 @@ def _combine(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torc
     if topk_weights.device != y_rows.device:
         raise ValueError(f"topk_weights must be on {y_rows.device} like y, got "
                          f"{topk_weights.device}")
-    if _triton_combine_runs(y_rows) and not (torch.is_grad_enabled() and (
-            y_rows.requires_grad or topk_weights.requires_grad)):
+    if _triton_combine_runs(y_rows):
+        return _TritonCombine.apply(y_rows, row_of_slot, topk_weights)
+    return _combine_torch(y_rows, row_of_slot, topk_weights)
+
+
+class _TritonCombine(torch.autograd.Function):
+    """The Triton combine and its gradients (each row is one slot's: what the dispatch builds)."""
+
+    @staticmethod
+    def forward(ctx, y_rows, row_of_slot, topk_weights):
         from .backends.triton.moe import moe_combine
 
+        ctx.save_for_backward(y_rows, row_of_slot, topk_weights)
         return moe_combine(y_rows, row_of_slot, topk_weights)
-    return _combine_torch(y_rows, row_of_slot, topk_weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .backends.triton.moe import moe_combine_backward
+
+        y_rows, row_of_slot, topk_weights = ctx.saved_tensors
+        gy, gw = moe_combine_backward(grad_out, y_rows, row_of_slot, topk_weights,
+                                      ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+        return gy, None, gw
 
 
 def _triton_combine_runs(y_rows: torch.Tensor) -> bool:
     """The Triton combine on a CUDA GPU it runs on, outside torch.compile's tracing (which
-    traces the torch code, the kernel's specification). A combine that autograd records (y or
-    the weights need a gradient) runs the torch code: the kernel has no backward."""
+    traces the torch code, the kernel's specification)."""
     if (not TRITON_COMBINE or not y_rows.is_cuda or y_rows.stride(-1) != 1
             or torch.compiler.is_compiling()):
         return False
@@ -179,8 +195,8 @@ def moe_combine_contiguous(y: torch.Tensor, layout: ContiguousLayout,
                            topk_weights: torch.Tensor) -> torch.Tensor:
     """y [R, N] from the grouped GEMM -> [T, N]: sum over slots of weight * expert output,
     in float32, returned in y's dtype. Dropped slots contribute nothing. No host
-    synchronisation. With TRITON_COMBINE on a GPU (no gradient recorded) one Triton kernel reads
-    each kept row of y once and writes [T, N] once."""
+    synchronisation. With TRITON_COMBINE on a GPU one Triton kernel reads each kept row of y once
+    and writes [T, N] once (and one more computes the gradients)."""
     if y.dim() != 2 or y.shape[0] != layout.x.shape[0]:
         raise ValueError(f"y must be [R, N] with R = {layout.x.shape[0]}, got {list(y.shape)}")
     return _combine(y, layout.row_of_slot, topk_weights)

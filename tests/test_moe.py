@@ -268,6 +268,8 @@ def case(t, topk, rows, n, dtype, device):
     y = torch.randn(rows, n, generator=g).to(dtype)
     row = torch.randint(0, max(rows, 1), (t, topk), generator=g)
     row[torch.rand(t, topk, generator=g) < 0.3] = -1  # dropped slots
+    if rows == 0:
+        row[:] = -1  # (no rows: every slot dropped)
     if rows:
         unused = torch.ones(rows, dtype=torch.bool)
         unused[row[row >= 0]] = False
@@ -288,12 +290,37 @@ def check(device):
         torch.testing.assert_close(got.cpu().float(), want.float(), rtol=1e-2 if dtype ==
                                    torch.bfloat16 else 1e-6, atol=1e-5)
         assert torch.equal(moe_combine(y, row, w), got)  # the same bits again
+
+def expected_grads(g, y, row, w):
+    # float64: grad_y[row] = w * g[t] on each kept slot's row, grad_w[t, k] = g[t] . y[row]
+    g, y, w = g.double().cpu(), y.double().cpu(), w.double().cpu()
+    gy, gw = torch.zeros_like(y), torch.zeros_like(w)
+    for t, k in (row.cpu() >= 0).nonzero().tolist():
+        r = int(row[t, k])
+        gy[r] = w[t, k] * g[t]
+        gw[t, k] = g[t] @ y[r]
+    return gy, gw
+
+def check_grads(device):
+    from fp8gemm.moe import _TritonCombine
+    for t, topk, rows, n, dtype in [(6, 3, 12, 200, torch.float32), (9, 8, 80, BLOCK_N + 72,
+                                    torch.bfloat16), (3, 2, 0, 64, torch.float32)]:
+        y, row, w = case(t, topk, rows, n, dtype, device)
+        y = torch.nan_to_num(y, nan=0.0).requires_grad_(True)  # (rows no slot names: NaN-free)
+        w = torch.where(row >= 0, w, 0.0).requires_grad_(True)
+        g = torch.randn(t, n, device=device).to(dtype)
+        _TritonCombine.apply(y, row, w).backward(g)
+        gy, gw = expected_grads(g, y.detach(), row, w.detach())
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y.grad.cpu().double(), gy, **tol)
+        torch.testing.assert_close(w.grad.cpu().double(), gw, **tol)
 """
 
 
 def test_triton_combine_interpreted():
     """The Triton combine against the torch spec under TRITON_INTERPRET=1: dropped slots (NaN
-    weights, NaN rows nobody names), several column blocks, no rows, no tokens, N = 1."""
+    weights, NaN rows nobody names), several column blocks, no rows, no tokens, N = 1; its
+    gradients against float64."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -302,7 +329,7 @@ def test_triton_combine_interpreted():
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = _COMBINE_CASES + "check('cpu')\nprint('ok')\n"
+    code = _COMBINE_CASES + "check('cpu')\ncheck_grads('cpu')\nprint('ok')\n"
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
                        text=True, timeout=600, check=False)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
@@ -318,6 +345,7 @@ def test_triton_combine_on_the_gpu(gpu_device, monkeypatch):
     namespace = {}
     exec(_COMBINE_CASES, namespace)
     namespace["check"](gpu_device)
+    namespace["check_grads"](gpu_device)
     x = torch.randn(16, 256, dtype=torch.bfloat16, device=gpu_device)
     ids, w = routing(16, 2, 4)
     lay = fp8gemm.moe_dispatch_contiguous(x, ids.to(gpu_device), 4)
@@ -330,7 +358,7 @@ def test_triton_combine_on_the_gpu(gpu_device, monkeypatch):
 
 
 def test_triton_combine_compiles_for_sm90():
-    """The combine kernel as launched (bf16, top-8) compiles for sm_90a with no local memory."""
+    """The combine kernels as launched (bf16, top-8) compile for sm_90a with no local memory."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -338,6 +366,8 @@ def test_triton_combine_compiles_for_sm90():
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("Triton without its ptxas")
-    (name, k), = kernels.compile_kernels(GPUTarget("cuda", 90, 32))
-    assert "ld.local" not in k.asm["ptx"] and "st.local" not in k.asm["ptx"], name
-    assert "ld.global" in k.asm["ptx"]
+    compiled = kernels.compile_kernels(GPUTarget("cuda", 90, 32))
+    assert len(compiled) == 2  # forward and backward
+    for name, k in compiled:
+        assert "ld.local" not in k.asm["ptx"] and "st.local" not in k.asm["ptx"], name
+        assert "ld.global" in k.asm["ptx"], name
