@@ -94,15 +94,18 @@ def moe_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_groups:
     padded = (counts + alignment - 1) // alignment * alignment
     offsets = torch.zeros(num_groups + 1, dtype=torch.int64, device=x.device)
     offsets[1:] = torch.cumsum(padded, 0)
-    rows = int(offsets[-1])
-    kept = expert < num_groups
-    dest = offsets[expert.clamp_max(num_groups - 1)] + rank
+    # NOTE: the one synchronisation: the rows to allocate and the kept slots, which the stable
+    # sort puts first (dropped slots sort last), so slicing replaces three boolean masks (a
+    # synchronisation each).
+    rows, kept = torch.stack([offsets[-1], counts.sum()]).tolist()
+    order, expert = order[:kept], expert[:kept]
+    dest = offsets[expert] + rank[:kept]
     m_indices = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
-    m_indices[dest[kept]] = expert[kept].to(torch.int32)
+    m_indices[dest] = expert.to(torch.int32)
     xp = torch.zeros((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    xp[dest[kept]] = x[order[kept] // topk_ids.shape[1]]
+    xp[dest] = x[order // topk_ids.shape[1]]
     row_of_slot = torch.full((topk_ids.numel(),), -1, dtype=torch.int64, device=x.device)
-    row_of_slot[order[kept]] = dest[kept]
+    row_of_slot[order] = dest
     return ContiguousLayout(xp, m_indices, offsets.to(torch.int32),
                             row_of_slot.view(topk_ids.shape))
 

@@ -196,6 +196,27 @@ def test_masked_dispatch_needs_no_host_sync():
     assert fp8gemm.moe_combine_masked(y, lay, w).shape == (16, 512)
 
 
+@pytest.mark.gpu
+def test_contiguous_dispatch_synchronises_once(gpu_device):
+    """The contiguous layout reads one small tensor back to size itself, and nothing else."""
+    x = torch.randn(64, 256, device=gpu_device, dtype=torch.bfloat16)
+    ids, _ = routing(64, 4, 16, dropped=True)
+    ids = ids.to(gpu_device)
+    fp8gemm.moe_dispatch_contiguous(x, ids, 16)  # (warm: first calls may load kernels)
+    torch.cuda.synchronize()
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fp8gemm.moe_dispatch_contiguous(x, ids, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
 def test_no_tokens_for_some_experts():
     """Experts that get no token: empty runs (contiguous) and masked_m = 0 (masked)."""
     t, g, n, k = 6, 4, 200, 320
