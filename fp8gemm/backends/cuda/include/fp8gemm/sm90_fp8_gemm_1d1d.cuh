@@ -347,6 +347,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // reductions alone, 164 with the prefetch, 188 with the prefetch and loads, 154 with no c
       // at all). One thread owns each element, so the result does not depend on the order of
       // the reductions; red.add.f32 flushes subnormals to zero.
+      // NOTE: c is read in a pass of its own before the stores: the compiler cannot move a load
+      // of c above a store to out (it cannot rule out that they alias), so one fused pass would
+      // wait for each load in turn.
       if (c != nullptr && !in_place) {
         const bool c_v2 = SHAPE_N % 2 == 0 && reinterpret_cast<uint64_t>(c) % 8 == 0;
 #pragma unroll
