@@ -7,6 +7,7 @@ clamped to +-fmt_max, rounded to nearest in the fp8 format. Real value = q * sca
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -95,8 +96,10 @@ def _triton_quant(x: torch.Tensor):
                            else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_kernels(device_index: int):
-    """Triton's quantisation module where it runs on this GPU, else None."""
+    """Triton's quantisation module where it runs on this GPU, else None (cached: this runs on
+    every activation quantisation)."""
     from .backends import triton_runs_on
 
     if not triton_runs_on(device_index):
