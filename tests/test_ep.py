@@ -136,6 +136,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                 sa=step.sa.reshape(-1, step.sa.shape[-1]).clone(),
                                 m_indices=index, dropped=step.dropped.clone()))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # NOTE: every rank done before any tears down: a rank that closed its gloo connections
+        # while a peer was still in its last collective aborted that peer ("terminate called
+        # without an active exception") in one CI run.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
