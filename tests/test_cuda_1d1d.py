@@ -25,7 +25,7 @@ from fp8gemm.problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
 from helpers import (TENSOR_CORE_FP32_DIFF, a_scales, assert_close_diff, b_scales,
                      compiler_or_skip, poisoned, rand_fp8, ref_gemm)
 
-E4M3 = torch.float8_e4m3fn
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
 H100_PCIE = DeviceFacts("NVIDIA H100 PCIe", (9, 0), num_sms=114, smem_per_block=232448)
 # The weight gradients of the DeepSeek-V3 dense layers (M, N) = (out, in features), K = tokens.
@@ -74,6 +74,17 @@ def test_supports_refuses_with_reason(kw, needle):
     shape.update({key: kw.pop(key) for key in ("m", "n", "k") if key in kw})
     why = g.DENSE.supports(problem(**shape, **kw))
     assert isinstance(why, str) and needle in why
+
+
+def test_e5m2_a_only_when_taken(monkeypatch):
+    """A in e5m2 (an output gradient) runs here once TAKE_E5M2_A is on; B stays e4m3."""
+    p = problem(2112, 7168, 4096, a_dtype=E5M2)
+    assert "e4m3 x e4m3" in g.DENSE.supports(p)
+    monkeypatch.setattr(g, "TAKE_E5M2_A", True)
+    assert g.DENSE.supports(p) is None and family_for(p) is g.DENSE
+    assert g.K_GROUPED.supports(replace(p, kind=GemmKind.K_GROUPED, groups=4)) is None
+    assert "B e4m3" in g.DENSE.supports(problem(2112, 7168, 4096, b_dtype=E5M2))
+    assert "B e4m3" in g.DENSE.supports(problem(2112, 7168, 4096, a_dtype=E5M2, b_dtype=E5M2))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -258,6 +269,28 @@ def test_every_picked_kernel_compiles_clean(tmp_path, monkeypatch):
         _assert_clean(compiled, cfg, tool, tmp_path, f"{shape} {cfg}")
 
 
+def test_e5m2_a_kernels_compile_clean(tmp_path, monkeypatch):
+    """A in e5m2: the widest tiles of each height, one and two accumulators, dense and
+    k-grouped, compile as clean as the e4m3 ones, with the e5m2 x e4m3 QGMMA."""
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    for k_grouped, choices in ((False, g.BLOCK_N_CHOICES), (True, g.K_GROUPED_BLOCK_N_CHOICES)):
+        for bm in g.BLOCK_M_CHOICES:
+            for bn, two in ((choices[bm][-1], False), (g.TWO_ACCUM_MAX_BLOCK_N[bm], True)):
+                cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block),
+                                       g.BAND_SIZE, 132, two)
+                compiled = g.compile_kernel(7168, cfg, k_grouped, a_e5m2=True)[1]
+                what = f"e5m2 A, k-grouped={k_grouped} {cfg}"
+                _assert_clean(compiled, cfg, tool, tmp_path, what)
+                path = tmp_path / "e5m2.cubin"
+                path.write_bytes(compiled.cubin)
+                sass = subprocess.run([tool, "-sass", str(path)], capture_output=True,
+                                      text=True).stdout
+                assert f"QGMMA.64x{bn}x32.F32.E5M2.E4M3" in sass, what
+                assert ".E4M3.E4M3" not in sass, what
+
+
 def test_one_past_the_widest_tile_spills(tmp_path, monkeypatch):
     """BLOCK_N_CHOICES stops where ptxas starts spilling (the stated register budget)."""
     compiler_or_skip()
@@ -289,10 +322,10 @@ def test_one_past_the_widest_two_accum_tile_spills(tmp_path, monkeypatch):
 
 
 # --- GPU ------------------------------------------------------------------------------------------
-def _operands(m, n, k, device, gen=None):
+def _operands(m, n, k, device, gen=None, a_dtype=E4M3):
     """A, B and both scales 1x128 along K, the scales in the kernel's column-major layout (what
     quantize_per_token_transposed writes)."""
-    a, b = rand_fp8((m, k), E4M3, device, gen), rand_fp8((n, k), E4M3, device, gen)
+    a, b = rand_fp8((m, k), a_dtype, device, gen), rand_fp8((n, k), E4M3, device, gen)
     sa = a_scales(Recipe.GROUP, m, k, device, col_major=True, gen=gen)
     sb = a_scales(Recipe.GROUP, n, k, device, col_major=True, gen=gen)
     return a, sa, b, sb
@@ -303,7 +336,7 @@ def _reference(a, sa, b, sb, c=None):
 
 
 def _run(a, sa, b, sb, out, c=None, cfg=None):
-    p = problem(a.shape[0], b.shape[0], a.shape[1], has_c=c is not None)
+    p = problem(a.shape[0], b.shape[0], a.shape[1], has_c=c is not None, a_dtype=a.dtype)
     assert family_for(p) is g.DENSE
     cfg = cfg or g.DENSE.config_for(p, a.device)
     g.DENSE.run(cfg, p, a, sa, b, sb, out, c)
@@ -343,6 +376,21 @@ def test_other_tiles(bm, bn, two, gpu_device):
     out = poisoned((m, n), torch.float32, gpu_device)
     _run(a, sa, b, sb, out, c, cfg)
     assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, str(cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(300, 200, 1000), (1024, 2112, 4096), (37, 131, 7)])
+@pytest.mark.parametrize("c_mode", ["none", "alias"])
+def test_e5m2_a_matches_float64(m, n, k, c_mode, gpu_device, monkeypatch):
+    """A in e5m2 (dY^T of a gradient quantised in e5m2) against float64, through the family's
+    own config; e5m2 codes read as e4m3 would be a large error."""
+    monkeypatch.setattr(g, "TAKE_E5M2_A", True)
+    a, sa, b, sb = _operands(m, n, k, gpu_device, a_dtype=E5M2)
+    c = torch.randn(m, n, device=gpu_device) * 64
+    out = c.clone() if c_mode == "alias" else poisoned((m, n), torch.float32, gpu_device)
+    _run(a, sa, b, sb, out, out if c_mode == "alias" else None)
+    ref = _reference(a, sa, b, sb, c if c_mode == "alias" else None)
+    assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"e5m2 A {m}x{n}x{k} c={c_mode}")
 
 
 @pytest.mark.gpu
@@ -449,11 +497,11 @@ def test_k_grouped_picked_kernels_compile_clean(tmp_path, monkeypatch):
         _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped N={n} {cfg}")
 
 
-def _k_operands(m, n, ks, device):
+def _k_operands(m, n, ks, device, a_dtype=E4M3):
     """A [M, sum K], B [N, sum K] and their scales [rows, sum ceil(K_g/128)] (column-major),
     each group with its own 1x128 blocks."""
     s = sum(ceil_div(k, SCALE_BLOCK) for k in ks)
-    a, b = rand_fp8((m, sum(ks)), E4M3, device), rand_fp8((n, sum(ks)), E4M3, device)
+    a, b = rand_fp8((m, sum(ks)), a_dtype, device), rand_fp8((n, sum(ks)), E4M3, device)
     sa = a_scales(Recipe.GROUP, m, SCALE_BLOCK * s, device, col_major=True)
     sb = a_scales(Recipe.GROUP, n, SCALE_BLOCK * s, device, col_major=True)
     return a, sa, b, sb
@@ -473,7 +521,7 @@ def _k_reference(a, sa, b, sb, ks, c=None):
 
 def _k_run(a, sa, b, sb, ks_t, out, c=None):
     p = k_problem(a.shape[0], b.shape[0], [0] * ks_t.shape[0], has_c=c is not None)
-    p = replace(p, k=a.shape[1])
+    p = replace(p, k=a.shape[1], a_dtype=a.dtype)
     assert family_for(p) is g.K_GROUPED
     g.K_GROUPED.run(g.K_GROUPED.config_for(p, a.device), p, a, sa, b, sb, out, c, ks_t)
     return out
@@ -503,6 +551,20 @@ def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
         assert all((out[i] == 0).all() for i, k in enumerate(ks) if k == 0)
     if c_mode == "alias":  # a group of nothing leaves its slice of out untouched, bit for bit
         assert all(torch.equal(out[i], c[i]) for i, k in enumerate(ks) if k == 0)
+
+
+@pytest.mark.gpu
+def test_k_grouped_e5m2_a_matches_float64(gpu_device, monkeypatch):
+    """The MoE weight gradient with each expert's dY^T in e5m2, accumulated in place."""
+    monkeypatch.setattr(g, "TAKE_E5M2_A", True)
+    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
+    a, sa, b, sb = _k_operands(m, n, ks, gpu_device, a_dtype=E5M2)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
+    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
+    out = c.clone()
+    _k_run(a, sa, b, sb, ks_t, out, out)
+    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
+                      f"e5m2 A {m}x{n} ks={ks}")
 
 
 @pytest.mark.gpu

@@ -60,6 +60,11 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # them.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
+# NOTE: A in e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2, X^T
+# e4m3) is one more wgmma type (`.e5m2.e4m3`). The kernels compile clean; the family takes such
+# problems once the H200 has run them (tests/test_cuda_1d1d.py forces this on); until then they
+# go to the Triton backend.
+TAKE_E5M2_A = False
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -184,19 +189,22 @@ def _select(m: int, n: int, facts: DeviceFacts, groups: int = 1,
 
 
 # --- kernel source -------------------------------------------------------------------------------
-def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False) -> tuple[str, str]:
-    """(source, name expression) of the kernel instance for (N, config, dense or k-grouped)."""
+def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
+                  a_e5m2: bool = False) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (N, config, dense or k-grouped, A in
+    e4m3 or e5m2)."""
+    b = {True: "true", False: "false"}
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
-    name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{'true' if k_grouped else 'false'}, {n}, "
+    name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{'true' if cfg.two_accum else 'false'}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}>")
     return source, name
 
 
 def compile_kernel(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
-                   compiler: str | None = None):
+                   compiler: str | None = None, a_e5m2: bool = False):
     """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
-    return jit.compile_cached(*kernel_source(n, cfg, k_grouped), (str(INCLUDE_DIR),),
+    return jit.compile_cached(*kernel_source(n, cfg, k_grouped, a_e5m2), (str(INCLUDE_DIR),),
                               compiler=compiler)
 
 
@@ -241,7 +249,8 @@ class Sm90Plan1d1d:
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.k_grouped = problem.kind is GemmKind.K_GROUPED
-        self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped),
+        a_e5m2 = problem.a_dtype == torch.float8_e5m2
+        self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped, a_e5m2),
                                 (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(cfg.smem, device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem)
@@ -311,8 +320,9 @@ _plans: dict[tuple, Sm90Plan1d1d] = {}
 
 def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config1d1d) -> Sm90Plan1d1d:
     """The plan of (problem, device, config), built on first use."""
-    # NOTE: supports() fixes dtypes, recipes and the output; has_c only changes a pointer.
-    key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, device_index, cfg)
+    # NOTE: supports() fixes B's dtype, the recipes and the output; has_c only changes a pointer.
+    key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, problem.a_dtype,
+           device_index, cfg)
     fam = K_GROUPED if problem.kind is GemmKind.K_GROUPED else DENSE
     return cached_plan(_plans, key, lambda: Sm90Plan1d1d(problem, device_index, cfg), fam.name,
                        problem, cfg)
@@ -320,8 +330,10 @@ def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config1d1d) -> Sm
 
 # --- families ------------------------------------------------------------------------------------
 def _common_refusal(problem: GemmProblem) -> str | None:
-    if problem.a_dtype != torch.float8_e4m3fn or problem.b_dtype != torch.float8_e4m3fn:
-        return "the sm90 1D1D kernel takes e4m3 x e4m3 only"
+    a_types = (torch.float8_e4m3fn, torch.float8_e5m2) if TAKE_E5M2_A else (torch.float8_e4m3fn,)
+    if problem.a_dtype not in a_types or problem.b_dtype != torch.float8_e4m3fn:
+        return ("the sm90 1D1D kernel takes A e4m3 or e5m2 and B e4m3 only" if TAKE_E5M2_A
+                else "the sm90 1D1D kernel takes e4m3 x e4m3 only")
     if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.GROUP:
         return "the sm90 1D1D kernel takes A and B both in 1x128 groups along K only"
     if problem.out_dtype != torch.float32:

@@ -1,6 +1,7 @@
 // FP8 GEMM for sm_90a with both operands in 1x128 groups along K, FP32 out (the weight gradient):
 //   out[M, N] (fp32) = c[M, N] + (A * sa) . (B * sb)^T      (c optional, may be out itself)
-//   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
+//   A [M, K] e4m3 (kAE5M2: e5m2, an output gradient dY^T), K-major; sa float32 per 1x128 group,
+//     column-major [ceil(K/128), M padded to 4]
 //   B [N, K] e4m3, K-major; sb float32 per 1x128 group, column-major [ceil(K/128), N padded to 4]
 // N is a compile-time constant; M and K are kernel arguments (a token count K changes every step
 // of training without a new kernel). K may be any value >= 1: TMA zero-fills the columns past K
@@ -105,7 +106,7 @@ struct alignas(8) Float2 {
 };
 
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
@@ -253,7 +254,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         wgmma_fence();
 #pragma unroll
         for (uint32_t k = 0; k < kNumKSteps; ++k)
-          WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
+          WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
         wgmma_commit();
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
