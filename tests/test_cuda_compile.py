@@ -60,6 +60,47 @@ def test_supports_refuses_with_reason(kw, needle):
     assert isinstance(why, str) and needle in why
 
 
+def test_e5m2_a_refused_until_taken():
+    assert "e4m3 x e4m3" in g.DENSE.supports(problem(4096, 7168, 2048, a_dtype=torch.float8_e5m2))
+
+
+def test_e5m2_a_when_taken(take_e5m2_a):
+    """A in e5m2 (an output gradient dY) runs in the dense and grouped families once
+    TAKE_E5M2_A is on; the small-M family keeps e4m3, so the dense family takes small M."""
+    from fp8gemm.backends.cuda import family_for
+
+    e5m2 = torch.float8_e5m2
+    for m in (4096, 64):
+        p = problem(m, 7168, 2048, a_dtype=e5m2)
+        assert cuda_supports(p) is None and family_for(p) is g.DENSE, m
+    assert g.GROUPED.supports(grouped_problem(GemmKind.CONTIGUOUS, 8192, 4, 0, 4096, 7168)) is None
+    assert "B e4m3" in cuda_supports(problem(4096, 7168, 2048, b_dtype=e5m2))
+
+
+def test_e5m2_a_kernels_compile_clean(tmp_path, monkeypatch):
+    """The e5m2-A kernels of the suite's dgrad-like shapes, a two-accumulator tile and the
+    grouped kinds compile as clean as their e4m3 twins, with the e5m2 x e4m3 QGMMA."""
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    cases = [(GemmKind.DENSE, n, k, g.DENSE.select_config(problem(4096, n, k), H200))
+             for n, k in ((7168, 2112), (1536, 24576), (2048, 7168))]
+    cases.append((GemmKind.DENSE, 4096, 7168,
+                  g.Sm90Config(128, 128, g.max_stages(128, 128, 7168, H200.smem_per_block), 1,
+                               True, g.BAND_SIZE, 132, True)))
+    for kind in (GemmKind.CONTIGUOUS, GemmKind.MASKED):
+        p = grouped_problem(kind, 8192, 4, 2048 if kind is GemmKind.MASKED else 0, 4096, 7168)
+        cases.append((kind, 4096, 7168, g.GROUPED.select_config(p, H200)))
+    for kind, n, k, cfg in cases:
+        compiled = g.compile_kernel(kind, n, k, cfg, a_e5m2=True)[1]
+        what = f"e5m2 A {kind.value} N={n} K={k} {cfg}"
+        assert_clean_cubin(compiled, cfg, tool, tmp_path, what)
+        path = tmp_path / "e5m2.cubin"
+        path.write_bytes(compiled.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert f"QGMMA.64x{cfg.block_n}x32.F32.E5M2.E4M3" in sass and ".E4M3.E4M3" not in sass, what
+
+
 # --- heuristic -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("facts", [H200, H100_PCIE], ids=["h200", "h100pcie"])
 @pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD)

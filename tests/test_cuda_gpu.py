@@ -60,6 +60,24 @@ def run_cuda(a, sa, b, sb, out=None):
 
 
 # --- tests ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k", [(4096, 7168, 2112), (1000, 2048, 7168), (37, 576, 320),
+                                   (64, 2112, 7168)])
+def test_e5m2_a_matches_float64(m, n, k, gpu_device, take_e5m2_a):
+    """A in e5m2 (dY of an e5m2 gradient, the input gradient dY . W) against float64, through the
+    backend's own choice of family and config."""
+    from fp8gemm.backends import cuda as cuda_backend
+
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    a = torch.randn(m, k, device=gpu_device).to(torch.float8_e5m2)
+    problem = GemmProblem(GemmKind.DENSE, m, n, k, 1, torch.float8_e5m2, E4M3, Recipe.GROUP,
+                          Recipe.BLOCK, torch.bfloat16)
+    assert cuda_backend.supports(problem) is None
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
+    cuda_backend.fp8_gemm_nt(a, sa, b, sb, out, None, problem)
+    diff = calc_diff(out, reference(a, sa, b, sb))
+    assert diff < TOL_BF16, f"e5m2 A {m}x{n}x{k}: calc_diff {diff:.3g} >= {TOL_BF16}"
+
+
 @pytest.mark.parametrize("m,n,k", DSV3_SHAPES + AWKWARD_SHAPES,
                          ids=lambda v: str(v))
 def test_dense_matches_float64(m, n, k, gpu_device):

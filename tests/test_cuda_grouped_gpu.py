@@ -277,3 +277,30 @@ def test_bad_index_values_stay_in_bounds(gpu_device, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "done" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "masked"])
+def test_e5m2_a(kind, gpu_device, take_e5m2_a):
+    """A in e5m2 (an MoE layer's output gradient dY) through the grouped kernels once taken."""
+    e5m2, n, k = torch.float8_e5m2, 576, 320
+    if kind == "contiguous":
+        sizes = [300, 0, 129, 1000]
+        idx = contiguous_layout(sizes, fp8gemm.get_m_alignment_for_contiguous_layout(),
+                                gpu_device)
+        m = idx.numel()
+        a = torch.randn(m, k, device=gpu_device).to(e5m2)
+        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
+        b, sb = grouped_b(len(sizes), n, k, gpu_device)
+        out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+        fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
+        torch.cuda.synchronize()
+        check_rows(out, reference_rows(a, sa, b, sb, idx), idx)
+    else:
+        a, sa, b, sb = masked_case(4, 256, n, k, gpu_device)
+        a = torch.randn(4, 256, k, device=gpu_device).to(e5m2)
+        masked_m = torch.tensor([256, 0, 100, 17], dtype=torch.int32, device=gpu_device)
+        out = torch.full((4, 256, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+        fp8gemm.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), out, masked_m, 100,
+                                             backend="cuda")
+        torch.cuda.synchronize()
+        check_masked(out, a, sa, b, sb, masked_m)

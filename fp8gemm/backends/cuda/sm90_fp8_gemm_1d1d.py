@@ -62,8 +62,9 @@ SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
 # NOTE: A in e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2, X^T
 # e4m3) is one more wgmma type (`.e5m2.e4m3`). The kernels compile clean; the family takes such
-# problems once the H200 has run them (tests/test_cuda_1d1d.py forces this on); until then they
-# go to the Triton backend.
+# problems once the H200 has run them (the GPU tests' `take_e5m2_a` fixture turns this on);
+# until then they go to the Triton backend. Set it before the first call: the backend caches
+# its choice of family per problem.
 TAKE_E5M2_A = False
 
 

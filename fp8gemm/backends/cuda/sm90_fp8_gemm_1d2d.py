@@ -296,21 +296,22 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
 _KIND = {GemmKind.DENSE: 0, GemmKind.CONTIGUOUS: 1, GemmKind.OFFSETS: 2, GemmKind.MASKED: 3}
 
 
-def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config,
-                  has_c: bool = False) -> tuple[str, str]:
-    """(source, name expression) of the kernel instance for (kind, N, K, config, C or not)."""
+def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool = False,
+                  a_e5m2: bool = False) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (kind, N, K, config, C or not, A in
+    e4m3 or e5m2)."""
     source = "#include <fp8gemm/sm90_fp8_gemm_1d2d.cuh>\n"
     b = {True: "true", False: "false"}
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
-            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c]}>")
+            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c]}, {b[a_e5m2]}>")
     return source, name
 
 
 def compile_kernel(kind: GemmKind, n: int, k: int, cfg: Sm90Config, compiler: str | None = None,
-                   has_c: bool = False):
+                   has_c: bool = False, a_e5m2: bool = False):
     """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
-    source, name = kernel_source(kind, n, k, cfg, has_c)
+    source, name = kernel_source(kind, n, k, cfg, has_c, a_e5m2)
     return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
 
 
@@ -337,7 +338,9 @@ class Sm90Plan:
                                  f"count on the shared side and an even band")
         smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
-                                               problem.has_c), (str(INCLUDE_DIR),))
+                                               problem.has_c,
+                                               problem.a_dtype == torch.float8_e5m2),
+                                (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), smem,
                                        (cfg.num_multicast, 1, 1))
@@ -421,18 +424,30 @@ _plans: dict[tuple, Sm90Plan] = {}
 
 def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config) -> Sm90Plan:
     """The plan of (problem, device, config), built on first use."""
-    # NOTE: supports() fixes dtypes and recipes, so (kind, shapes, C, device, config) is the key.
+    # NOTE: supports() fixes B's dtype and the recipes, so (kind, shapes, C, A's dtype, device,
+    # config) is the key.
     key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, problem.has_c,
-           device_index, cfg)
+           problem.a_dtype, device_index, cfg)
     fam = DENSE if problem.kind is GemmKind.DENSE else GROUPED
     return cached_plan(_plans, key, lambda: Sm90Plan(problem, device_index, cfg), fam.name,
                        problem, cfg)
 
 
 # --- families ------------------------------------------------------------------------------------
+# NOTE: A in e5m2 (an output gradient quantised with grad_format="e5m2": dX = dY . W, dY e5m2,
+# W^T e4m3) is one more wgmma type (`.e5m2.e4m3`). The kernels compile clean; the dense and
+# grouped families take such problems once the H200 has run them (the GPU tests' `take_e5m2_a`
+# fixture turns this on); until then they go to the Triton backend. The small-M family (A is
+# wgmma's B there) stays e4m3. Set it before the first call: the backend caches its choice of
+# family per problem.
+TAKE_E5M2_A = False
+
+
 def _common_refusal(problem: GemmProblem) -> str | None:
-    if problem.a_dtype != torch.float8_e4m3fn or problem.b_dtype != torch.float8_e4m3fn:
-        return "the sm90 kernel takes e4m3 x e4m3 only"
+    a_types = (torch.float8_e4m3fn, torch.float8_e5m2) if TAKE_E5M2_A else (torch.float8_e4m3fn,)
+    if problem.a_dtype not in a_types or problem.b_dtype != torch.float8_e4m3fn:
+        return ("the sm90 kernel takes A e4m3 or e5m2 and B e4m3 only" if TAKE_E5M2_A
+                else "the sm90 kernel takes e4m3 x e4m3 only")
     if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.BLOCK:
         return "the sm90 kernel takes A 1x128 groups with B 128x128 blocks only"
     if problem.out_dtype != torch.bfloat16:

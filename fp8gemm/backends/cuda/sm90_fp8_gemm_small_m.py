@@ -338,6 +338,8 @@ class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
         why = dense._common_refusal(problem)
         if why is not None:
             return why
+        if problem.a_dtype != torch.float8_e4m3fn:
+            return "takes A in e4m3 only (A is wgmma's e4m3 B operand here)"
         if problem.m > MAX_M:
             return f"takes M <= {MAX_M} (decode sizes), got M={problem.m}"
         if problem.has_c:

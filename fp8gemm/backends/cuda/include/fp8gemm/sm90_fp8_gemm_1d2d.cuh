@@ -1,5 +1,5 @@
 // FP8 GEMM for sm_90a, dense and MoE-grouped: D[M, N] (bf16) = (A * sa) . (B[g] * sb[g])^T (+ C)
-//   A [M, K] e4m3, K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
+//   A [M, K] e4m3 (kAE5M2: e5m2, an output gradient dY), K-major; sa float32 per 1x128 group, column-major [ceil(K/128), M padded to 4]
 //     (masked: [G][ceil(K/128), Mmax padded to 4])
 //   B [G, N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [G, ceil(N/128), ceil(K/128)]
 //   kKind (sm90_scheduler.cuh): dense (G = 1); contiguous (group of each row in m_indices);
@@ -61,7 +61,7 @@ __device__ __forceinline__ uint32_t sa_shift_of(const Tile& t) {
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum, bool kHasC>
+          bool kTwoAccum, bool kHasC, bool kAE5M2>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
@@ -394,11 +394,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         if (kb + 1 < kNumKBlocks || kLastKSteps == kNumKSteps) {
 #pragma unroll
           for (uint32_t k = 0; k < kNumKSteps; ++k)
-            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
+            WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
         } else {
 #pragma unroll
           for (uint32_t k = 0; k < kLastKSteps; ++k)
-            WgmmaFp8<BLOCK_N>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
+            WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
         }
         wgmma_commit();
 #pragma unroll
