@@ -392,3 +392,28 @@ def test_triton_combine_compiles_for_sm90():
     for name, k in compiled:
         assert "ld.local" not in k.asm["ptx"] and "st.local" not in k.asm["ptx"], name
         assert "ld.global" in k.asm["ptx"], name
+
+
+def test_combine_ab_script_toggles_and_restores_the_switch():
+    """scripts/moe_combine_ab.py (the H200 A/B of the two combines): its switch wrapper sets
+    TRITON_COMBINE for one call only, even when the call raises; without a GPU it says so."""
+    import importlib.util
+
+    import fp8gemm.moe as moe_module
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "moe_combine_ab.py"
+    spec = importlib.util.spec_from_file_location("moe_combine_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    before = moe_module.TRITON_COMBINE
+    assert ab.with_combine(not before, lambda: moe_module.TRITON_COMBINE)() is (not before)
+    assert moe_module.TRITON_COMBINE is before
+
+    def boom():
+        raise RuntimeError("x")
+
+    with pytest.raises(RuntimeError):
+        ab.with_combine(not before, boom)()
+    assert moe_module.TRITON_COMBINE is before
+    if not torch.cuda.is_available():
+        assert ab.main([]) == 2
