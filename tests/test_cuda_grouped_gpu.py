@@ -73,17 +73,23 @@ CONTIGUOUS = [  # (group sizes, N, K)
 ]
 
 
-@pytest.mark.parametrize("sizes,n,k", CONTIGUOUS, ids=lambda v: str(v)[:40])
-def test_contiguous_padded(sizes, n, k, gpu_device):
-    idx = contiguous_layout(sizes, fp8gemm.get_m_alignment_for_contiguous_layout(), gpu_device)
+def check_contiguous_padded(sizes, n, k, device, a_dtype=E4M3):
+    """Groups of `sizes` rows padded to the contiguous alignment, A in `a_dtype`, through the
+    CUDA backend against float64."""
+    idx = contiguous_layout(sizes, fp8gemm.get_m_alignment_for_contiguous_layout(), device)
     m = idx.numel()
-    a = torch.randn(m, k, device=gpu_device).to(E4M3)
-    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
-    b, sb = grouped_b(len(sizes), n, k, gpu_device)
-    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    a = torch.randn(m, k, device=device).to(a_dtype)
+    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), device))
+    b, sb = grouped_b(len(sizes), n, k, device)
+    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=device)
     fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
     torch.cuda.synchronize()
     check_rows(out, reference_rows(a, sa, b, sb, idx), idx)
+
+
+@pytest.mark.parametrize("sizes,n,k", CONTIGUOUS, ids=lambda v: str(v)[:40])
+def test_contiguous_padded(sizes, n, k, gpu_device):
+    check_contiguous_padded(sizes, n, k, gpu_device)
 
 
 def test_contiguous_unaligned_layout(gpu_device):
@@ -284,17 +290,7 @@ def test_e5m2_a(kind, gpu_device, take_e5m2_a):
     """A in e5m2 (an MoE layer's output gradient dY) through the grouped kernels once taken."""
     e5m2, n, k = torch.float8_e5m2, 576, 320
     if kind == "contiguous":
-        sizes = [300, 0, 129, 1000]
-        idx = contiguous_layout(sizes, fp8gemm.get_m_alignment_for_contiguous_layout(),
-                                gpu_device)
-        m = idx.numel()
-        a = torch.randn(m, k, device=gpu_device).to(e5m2)
-        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
-        b, sb = grouped_b(len(sizes), n, k, gpu_device)
-        out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
-        fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
-        torch.cuda.synchronize()
-        check_rows(out, reference_rows(a, sa, b, sb, idx), idx)
+        check_contiguous_padded([300, 0, 129, 1000], n, k, gpu_device, e5m2)
     else:
         a, sa, b, sb = masked_case(4, 256, n, k, gpu_device)
         a = torch.randn(4, 256, k, device=gpu_device).to(e5m2)
