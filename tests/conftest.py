@@ -50,32 +50,3 @@ def gpu_device():
     if not hopper_available():
         pytest.skip("needs a CUDA GPU of compute capability 9.0 (Hopper)")
     return torch.device("cuda")
-
-
-def _clear_backend_choices() -> None:
-    from fp8gemm import backends
-    from fp8gemm.backends import cuda
-    from fp8gemm.ops import gemm, grouped
-
-    cuda._choice.cache_clear()
-    cuda._family.cache_clear()
-    backends._chosen.clear()
-    gemm._plans.clear()
-    grouped._plans.clear()
-
-
-@pytest.fixture
-def take_e5m2_a():
-    """The CUDA families' TAKE_E5M2_A switches on for the test, with the backend's cached choices
-    (which remember the refusals) cleared before and after."""
-    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d
-
-    mods = (sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d)
-    saved = [m.TAKE_E5M2_A for m in mods]
-    for m in mods:
-        m.TAKE_E5M2_A = True
-    _clear_backend_choices()
-    yield
-    for m, v in zip(mods, saved):
-        m.TAKE_E5M2_A = v
-    _clear_backend_choices()

@@ -60,13 +60,9 @@ def test_supports_refuses_with_reason(kw, needle):
     assert isinstance(why, str) and needle in why
 
 
-def test_e5m2_a_refused_until_taken():
-    assert "e4m3 x e4m3" in g.DENSE.supports(problem(4096, 7168, 2048, a_dtype=torch.float8_e5m2))
-
-
-def test_e5m2_a_when_taken(take_e5m2_a):
-    """A in e5m2 (an output gradient dY) runs in the dense and grouped families once
-    TAKE_E5M2_A is on; the small-M family keeps e4m3, so the dense family takes small M."""
+def test_e5m2_a_taken():
+    """A in e5m2 (an output gradient dY) runs in the dense and grouped families; the small-M
+    family keeps e4m3, so the dense family takes small M."""
     from fp8gemm.backends.cuda import family_for
 
     e5m2 = torch.float8_e5m2

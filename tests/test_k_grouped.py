@@ -209,8 +209,8 @@ def test_validation_errors():
 
 
 def test_backends_that_take_the_kind():
-    """The CUDA k-grouped family takes e4m3 x e4m3 (the other CUDA families refuse the kind, and
-    it refuses e5m2 with its reason); Gluon and the persistent Triton kernel refuse the kind, and
+    """The CUDA k-grouped family takes A e4m3 or e5m2 with B e4m3 (the other CUDA families refuse
+    the kind, and it refuses B in e5m2 with its reason); Gluon and the persistent Triton kernel refuse the kind, and
     the Triton k-grouped family takes it in either format."""
     prob = _k_problem(has_c=True)
     assert reference.supports(prob) is None

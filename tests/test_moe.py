@@ -287,10 +287,11 @@ from fp8gemm.backends.triton.moe import BLOCK_N, moe_combine
 def case(t, topk, rows, n, dtype, device):
     g = torch.Generator().manual_seed(t * 131 + n)
     y = torch.randn(rows, n, generator=g).to(dtype)
-    row = torch.randint(0, max(rows, 1), (t, topk), generator=g)
-    row[torch.rand(t, topk, generator=g) < 0.3] = -1  # dropped slots
-    if rows == 0:
-        row[:] = -1  # (no rows: every slot dropped)
+    # every row is at most one slot's (what the dispatch builds); slots past the rows and 30 %
+    # more are dropped
+    slot = torch.randperm(max(rows, t * topk), generator=g)[:t * topk].reshape(t, topk)
+    row = torch.where(slot < rows, slot, -1)
+    row[torch.rand(t, topk, generator=g) < 0.3] = -1
     if rows:
         unused = torch.ones(rows, dtype=torch.bool)
         unused[row[row >= 0]] = False

@@ -55,7 +55,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, out: torch.Tensor | None, ks: torch.T
             values that do not add up give wrong results but never a read outside a, b or their
             scales (each group is clamped to the columns that remain).
         c: optional float32 [G, M, N] added to the products; may be `out` itself (accumulate).
-        backend: "auto", "cuda" (e4m3 x e4m3), "triton" or "reference"; FP8GEMM_BACKEND
+        backend: "auto", "cuda" (A e4m3 or e5m2, B e4m3), "triton" or "reference"; FP8GEMM_BACKEND
             overrides "auto".
 
     Returns:

@@ -60,12 +60,9 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # them.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
-# NOTE: A in e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2, X^T
-# e4m3) is one more wgmma type (`.e5m2.e4m3`). The kernels compile clean; the family takes such
-# problems once the H200 has run them (the GPU tests' `take_e5m2_a` fixture turns this on);
-# until then they go to the Triton backend. Set it before the first call: the backend caches
-# its choice of family per problem.
-TAKE_E5M2_A = False
+# NOTE: A may be e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2,
+# X^T e4m3): one more wgmma type (`.e5m2.e4m3`), the same pipeline.
+A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -331,10 +328,8 @@ def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config1d1d) -> Sm
 
 # --- families ------------------------------------------------------------------------------------
 def _common_refusal(problem: GemmProblem) -> str | None:
-    a_types = (torch.float8_e4m3fn, torch.float8_e5m2) if TAKE_E5M2_A else (torch.float8_e4m3fn,)
-    if problem.a_dtype not in a_types or problem.b_dtype != torch.float8_e4m3fn:
-        return ("the sm90 1D1D kernel takes A e4m3 or e5m2 and B e4m3 only" if TAKE_E5M2_A
-                else "the sm90 1D1D kernel takes e4m3 x e4m3 only")
+    if problem.a_dtype not in A_DTYPES or problem.b_dtype != torch.float8_e4m3fn:
+        return "the sm90 1D1D kernel takes A e4m3 or e5m2 and B e4m3 only"
     if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.GROUP:
         return "the sm90 1D1D kernel takes A and B both in 1x128 groups along K only"
     if problem.out_dtype != torch.float32:

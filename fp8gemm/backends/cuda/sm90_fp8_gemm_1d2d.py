@@ -434,20 +434,15 @@ def get_plan(problem: GemmProblem, device_index: int, cfg: Sm90Config) -> Sm90Pl
 
 
 # --- families ------------------------------------------------------------------------------------
-# NOTE: A in e5m2 (an output gradient quantised with grad_format="e5m2": dX = dY . W, dY e5m2,
-# W^T e4m3) is one more wgmma type (`.e5m2.e4m3`). The kernels compile clean; the dense and
-# grouped families take such problems once the H200 has run them (the GPU tests' `take_e5m2_a`
-# fixture turns this on); until then they go to the Triton backend. The small-M family (A is
-# wgmma's B there) stays e4m3. Set it before the first call: the backend caches its choice of
-# family per problem.
-TAKE_E5M2_A = False
+# NOTE: A may be e5m2 in the dense and grouped families (an output gradient quantised with
+# grad_format="e5m2": dX = dY . W, dY e5m2, W^T e4m3): one more wgmma type (`.e5m2.e4m3`), the
+# same pipeline. The small-M family (A is wgmma's B there) stays e4m3.
+A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _common_refusal(problem: GemmProblem) -> str | None:
-    a_types = (torch.float8_e4m3fn, torch.float8_e5m2) if TAKE_E5M2_A else (torch.float8_e4m3fn,)
-    if problem.a_dtype not in a_types or problem.b_dtype != torch.float8_e4m3fn:
-        return ("the sm90 kernel takes A e4m3 or e5m2 and B e4m3 only" if TAKE_E5M2_A
-                else "the sm90 kernel takes e4m3 x e4m3 only")
+    if problem.a_dtype not in A_DTYPES or problem.b_dtype != torch.float8_e4m3fn:
+        return "the sm90 kernel takes A e4m3 or e5m2 and B e4m3 only"
     if problem.a_recipe is not Recipe.GROUP or problem.b_recipe is not Recipe.BLOCK:
         return "the sm90 kernel takes A 1x128 groups with B 128x128 blocks only"
     if problem.out_dtype != torch.bfloat16:
