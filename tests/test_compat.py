@@ -111,3 +111,18 @@ def test_bench_kineto_returns_seconds():
     t = dg.bench_kineto(lambda: torch.ones(8).sum(), "fp8_gemm", num_tests=3,
                         suppress_kineto_output=True)
     assert isinstance(t, float) and 0 < t < 1
+
+
+@pytest.mark.gpu
+def test_bench_kineto_per_kernel_with_multiple_kernels(gpu_device):
+    """As DeepGEMM's: per call by default, per launched kernel with with_multiple_kernels (its
+    k-grouped test multiplies that by the group count)."""
+    x = torch.zeros(1 << 24, device=gpu_device)
+
+    def two_kernels():
+        x.add_(1.0)
+        x.mul_(0.5)
+
+    per_call = dg.bench_kineto(two_kernels, "k", num_tests=20)
+    per_kernel = dg.bench_kineto(two_kernels, "k", num_tests=20, with_multiple_kernels=True)
+    assert 0.35 < per_kernel / per_call < 0.65, (per_kernel, per_call)

@@ -161,11 +161,13 @@ def _k_grouped(a, b, d: torch.Tensor, ks: list[int]) -> None:
 def bench_kineto(fn, kernel_names=None, num_tests: int = 30, suppress_kineto_output: bool = False,
                  trace_path: str | None = None, flush_l2: bool = True,
                  with_multiple_kernels: bool = False, **_unused):
-    """Seconds of device time per call of fn, from the profiler (CUDA), L2 flushed before each.
+    """Seconds of device time per call of fn, from the profiler (CUDA), L2 flushed before each;
+    with `with_multiple_kernels`, per kernel fn launches, as DeepGEMM's (whose callers multiply
+    by the launch count they expect: a k-grouped call launches one GEMM per group here too).
 
     fp8gemm's kernels are not named as DeepGEMM's, so the time is that of every kernel fn
     launches (the flush excluded); `kernel_names` is accepted for compatibility, and a tuple
-    of names gets a tuple of that one time. On a machine without CUDA it is wall time.
+    of names gets a tuple of that one time. On a machine without CUDA it is wall time per call.
     """
     if not torch.cuda.is_available():
         fn()
@@ -187,14 +189,16 @@ def bench_kineto(fn, kernel_names=None, num_tests: int = 30, suppress_kineto_out
         torch.cuda.synchronize()
     if trace_path is not None:
         prof.export_chrome_trace(trace_path)
-    total_us = 0.0
+    total_us, launches = 0.0, 0
     for evt in prof.key_averages():
         if evt.device_type is not None and "cuda" in str(evt.device_type).lower():
             name = evt.key.lower()
             if flush is not None and ("fill" in name or "memset" in name):
                 continue  # the L2 flush
             total_us += evt.self_device_time_total
-    t = total_us / num_tests / 1e6
+            launches += evt.count
+    per = max(launches, 1) if with_multiple_kernels else num_tests
+    t = total_us / per / 1e6
     return tuple(t for _ in kernel_names) if isinstance(kernel_names, tuple) else t
 
 
