@@ -104,8 +104,14 @@ def moe_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_groups:
     dest = offsets[expert] + rank[:kept]
     m_indices = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
     m_indices[dest] = expert.to(torch.int32)
-    xp = torch.zeros((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    xp[dest] = x[order // topk_ids.shape[1]]
+    # NOTE: one gather of every row from its token (padding rows from token 0, then zeroed):
+    # an index_put of the kept rows into zeros ran at a quarter of a gather's bandwidth on CUDA.
+    src = torch.zeros(rows, dtype=torch.int64, device=x.device)
+    src[dest] = order // topk_ids.shape[1]
+    fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # (no CPU fp8 kernels for these)
+    xs = x.view(torch.uint8) if fp8 else x
+    xp = xs.index_select(0, src).masked_fill_((m_indices < 0).unsqueeze(1), 0)
+    xp = xp.view(x.dtype) if fp8 else xp
     row_of_slot = torch.full((topk_ids.numel(),), -1, dtype=torch.int64, device=x.device)
     row_of_slot[order] = dest
     return ContiguousLayout(xp, m_indices, offsets.to(torch.int32),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,3 +281,22 @@ def test_cuda_quantisation_matches_cpu_spec(name, fmt):
     assert s_gpu.stride() == s_cpu.stride()
     steps = fp8_steps(q_gpu.cpu(), q_cpu)
     assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) <= FP8_STEP_FRACTION
+
+
+def test_triton_quantisers_compile_for_sm90():
+    """The quantisation kernels as launched (rows with SiLU*mul, rows of a transposed view, blocks
+    with power-of-two scales, blocks of a transposed view) compile for sm_90a with no local
+    memory."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from fp8gemm.backends.triton import quant as kernels
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton without its ptxas")
+    compiled = kernels.compile_kernels(GPUTarget("cuda", 90, 32))
+    assert len(compiled) == 4
+    for name, k in compiled:
+        ptx = k.asm["ptx"]
+        assert "ld.local" not in ptx and "st.local" not in ptx, name
+        assert "ld.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, name
