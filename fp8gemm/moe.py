@@ -29,13 +29,16 @@ class ContiguousLayout:
 
     x: [R, K] permuted rows (padding rows are zero); m_indices: int32 [R], expert of each row,
     -1 for padding; offsets: int32 [G + 1], start row of each expert's (padded) run, offsets[G]
-    = R; row_of_slot: int64 [T, topk], the row holding each (token, slot), -1 if dropped.
+    = R; row_of_slot: int64 [T, topk], the row holding each (token, slot), -1 if dropped;
+    token_of_row: int64 [R], the token each row holds (0 for padding rows), with which
+    `x2.index_select(0, token_of_row)` lays out any other per-token rows x2 the same way.
     """
 
     x: torch.Tensor
     m_indices: torch.Tensor
     offsets: torch.Tensor
     row_of_slot: torch.Tensor
+    token_of_row: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -104,18 +107,29 @@ def moe_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_groups:
     dest = offsets[expert] + rank[:kept]
     m_indices = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
     m_indices[dest] = expert.to(torch.int32)
-    # NOTE: one gather of every row from its token (padding rows from token 0, then zeroed):
-    # an index_put of the kept rows into zeros ran at a quarter of a gather's bandwidth on CUDA.
-    src = torch.zeros(rows, dtype=torch.int64, device=x.device)
-    src[dest] = order // topk_ids.shape[1]
+    # NOTE: one gather of every row from its token (padding rows from token 0), then the
+    # padding rows zeroed by index: on the H200 an index_put of the kept rows into zeros, and a
+    # row-masked fill of the whole result, each took 3-4x the gather's time.
+    token = torch.zeros(rows, dtype=torch.int64, device=x.device)
+    token[dest] = order // topk_ids.shape[1]
     fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # (no CPU fp8 kernels for these)
-    xs = x.view(torch.uint8) if fp8 else x
-    xp = xs.index_select(0, src).masked_fill_((m_indices < 0).unsqueeze(1), 0)
-    xp = xp.view(x.dtype) if fp8 else xp
+    xp = (x.view(torch.uint8) if fp8 else x).index_select(0, token)
+    if rows > kept:
+        xp.index_fill_(0, _padding_rows(offsets, counts, padded, rows - kept), 0)
     row_of_slot = torch.full((topk_ids.numel(),), -1, dtype=torch.int64, device=x.device)
     row_of_slot[order] = dest
-    return ContiguousLayout(xp, m_indices, offsets.to(torch.int32),
-                            row_of_slot.view(topk_ids.shape))
+    return ContiguousLayout(xp.view(x.dtype) if fp8 else xp, m_indices, offsets.to(torch.int32),
+                            row_of_slot.view(topk_ids.shape), token)
+
+
+def _padding_rows(offsets, counts, padded, n: int) -> torch.Tensor:
+    """The n padding rows of a contiguous layout, with no synchronisation: expert g's are
+    offsets[g] + counts[g] ... offsets[g + 1] - 1."""
+    length = padded - counts
+    end = torch.cumsum(length, 0)
+    j = torch.arange(n, device=offsets.device)
+    g = torch.searchsorted(end, j, right=True)
+    return offsets[g] + counts[g] + j - (end - length)[g]
 
 
 def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int,

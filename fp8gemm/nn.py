@@ -20,6 +20,7 @@ from torch import nn
 from . import quant
 from . import torch_ops  # noqa: F401  (registers torch.ops.fp8gemm)
 from .ops import fp8_gemm_nt, m_grouped_fp8_gemm_nt_masked
+from .layout import get_col_major_tma_aligned_tensor
 from .problem import SCALE_BLOCK, ceil_div
 from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_contiguous,
                   moe_dispatch_masked)
@@ -594,9 +595,13 @@ class Fp8MoE(nn.Module):
         return lay, (lay.m_indices if layout == "contiguous" else lay.offsets)
 
     def _forward_grouped(self, x, topk_ids, topk_weights, layout, weights):
-        lay, rows_index = self._dispatch(x, topk_ids, layout)
-        a, sa = _ops.quantize_per_token(lay.x, self.fmt, self.pow2_scales)
-        y = self.experts_grouped(a, sa, rows_index, layout, weights)
+        # NOTE: the T tokens are quantised before the dispatch, whose host synchronisation then
+        # waits for that kernel instead of the host launching it while the GPU idles after the
+        # synchronisation; the dispatch moves fp8 rows, and their scales follow them.
+        a, sa = _ops.quantize_per_token(x, self.fmt, self.pow2_scales)
+        lay, rows_index = self._dispatch(a, topk_ids, layout)
+        sa = get_col_major_tma_aligned_tensor(sa.index_select(0, lay.token_of_row))
+        y = self.experts_grouped(lay.x, sa, rows_index, layout, weights)
         return moe_combine_contiguous(y, lay, topk_weights).to(x.dtype)
 
     def experts_grouped(self, a, sa, rows_index, layout: str = "contiguous",

@@ -65,12 +65,14 @@ def test_contiguous_roundtrip(alignment, dropped):
         run = lay.m_indices[lay.offsets[e]:lay.offsets[e + 1]]
         assert (run[:counts[e]] == e).all() and (run[counts[e]:] == -1).all()
     assert (lay.x[lay.m_indices == -1] == 0).all()
+    assert (lay.token_of_row[lay.m_indices == -1] == 0).all()
     # each kept slot's row holds its token; dropped slots have no row
     for i in range(t):
         for j in range(topk):
             r = int(lay.row_of_slot[i, j])
             if 0 <= ids[i, j] < g:
                 assert lay.m_indices[r] == ids[i, j] and torch.equal(lay.x[r], x[i])
+                assert lay.token_of_row[r] == i
             else:
                 assert r == -1
 
