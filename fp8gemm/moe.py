@@ -96,40 +96,44 @@ def moe_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_groups:
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment must be a positive int, got {alignment!r}")
     order, expert, rank, counts = _sort_slots(topk_ids, num_groups)
+    dev, slots, g = x.device, topk_ids.numel(), num_groups
     padded = (counts + alignment - 1) // alignment * alignment
-    offsets = torch.zeros(num_groups + 1, dtype=torch.int64, device=x.device)
+    offsets = torch.zeros(g + 1, dtype=torch.int64, device=dev)
     offsets[1:] = torch.cumsum(padded, 0)
-    # NOTE: the one synchronisation: the rows to allocate and the kept slots, which the stable
-    # sort puts first (dropped slots sort last), so slicing replaces three boolean masks (a
-    # synchronisation each).
-    rows, kept = torch.stack([offsets[-1], counts.sum()]).tolist()
-    order, expert = order[:kept], expert[:kept]
-    dest = offsets[expert] + rank[:kept]
-    m_indices = torch.full((rows,), -1, dtype=torch.int32, device=x.device)
+    # NOTE: everything but the rows themselves is built before the one synchronisation, on
+    # buffers sized for the most rows there can be (every slot kept, every group padded), so
+    # after it the host launches two kernels and the GPU hardly waits for the host (the bubble
+    # an eager prefill layer pays). Index `top` is scratch, for the dropped slots' writes.
+    top = slots + g * (alignment - 1)
+    kept = expert < g
+    dest = torch.where(kept, offsets[expert.clamp_max(g - 1)] + rank, top)
+    m_indices = torch.full((top + 1,), -1, dtype=torch.int32, device=dev)
     m_indices[dest] = expert.to(torch.int32)
-    # NOTE: one gather of every row from its token (padding rows from token 0), then the
-    # padding rows zeroed by index: on the H200 an index_put of the kept rows into zeros, and a
-    # row-masked fill of the whole result, each took 3-4x the gather's time.
-    token = torch.zeros(rows, dtype=torch.int64, device=x.device)
+    token = torch.zeros(top + 1, dtype=torch.int64, device=dev)
     token[dest] = order // topk_ids.shape[1]
+    row_of_slot = torch.empty(slots, dtype=torch.int64, device=dev)
+    row_of_slot[order] = torch.where(kept, dest, -1)
+    # each group's padding rows, offsets[g] + counts[g] + j for j < padded[g] - counts[g]; the
+    # other entries go to a scratch row past the end once the row count is known
+    j = torch.arange(alignment, device=dev)
+    pad = offsets[:-1, None] + counts[:, None] + j
+    pad = torch.where(j < (padded - counts)[:, None], pad, top + 1).flatten()
+    rows, n_kept = torch.stack([offsets[-1], counts.sum()]).tolist()  # the synchronisation
     fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # (no CPU fp8 kernels for these)
-    xp = (x.view(torch.uint8) if fp8 else x).index_select(0, token)
-    if rows > kept:
-        xp.index_fill_(0, _padding_rows(offsets, counts, padded, rows - kept), 0)
-    row_of_slot = torch.full((topk_ids.numel(),), -1, dtype=torch.int64, device=x.device)
-    row_of_slot[order] = dest
-    return ContiguousLayout(xp.view(x.dtype) if fp8 else xp, m_indices, offsets.to(torch.int32),
-                            row_of_slot.view(topk_ids.shape), token)
-
-
-def _padding_rows(offsets, counts, padded, n: int) -> torch.Tensor:
-    """The n padding rows of a contiguous layout, with no synchronisation: expert g's are
-    offsets[g] + counts[g] ... offsets[g + 1] - 1."""
-    length = padded - counts
-    end = torch.cumsum(length, 0)
-    j = torch.arange(n, device=offsets.device)
-    g = torch.searchsorted(end, j, right=True)
-    return offsets[g] + counts[g] + j - (end - length)[g]
+    xs = x.view(torch.uint8) if fp8 else x
+    if rows == 0:
+        xp = xs.new_zeros(0, x.shape[1])
+    else:
+        # one gather of every row from its token (padding rows from token 0), and of one scratch
+        # row; then the padding rows zeroed by index. On the H200 an index_put of the kept rows
+        # into zeros, and a row-masked fill of the result, each took 3-4x the gather's time.
+        xp = xs.index_select(0, token[:rows + 1])
+        if rows > n_kept:
+            xp.index_fill_(0, pad.clamp_max_(rows), 0)
+        xp = xp[:rows]
+    return ContiguousLayout(xp.view(x.dtype) if fp8 else xp, m_indices[:rows],
+                            offsets.to(torch.int32), row_of_slot.view(topk_ids.shape),
+                            token[:rows])
 
 
 def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int,

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import quant
 from . import torch_ops  # noqa: F401  (registers torch.ops.fp8gemm)
-from .ops import fp8_gemm_nt, m_grouped_fp8_gemm_nt_masked
+from .ops import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
+                  m_grouped_fp8_gemm_nt_offsets)
 from .layout import get_col_major_tma_aligned_tensor
 from .problem import SCALE_BLOCK, ceil_div
 from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_contiguous,
@@ -27,7 +28,6 @@ from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_conti
 
 __all__ = ["Fp8Linear", "Fp8MoE", "convert", "ConvertReport", "DEFAULT_EXCLUDE"]
 
-_ops = torch.ops.fp8gemm
 
 
 def _check_features(what: str, name: str, value) -> None:
@@ -416,8 +416,9 @@ def _expert_wgrad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, grad
 def _grouped(a, sa, b, sb, rows_index, layout: str, out_dtype=torch.bfloat16):
     """The contiguous (rows_index = m_indices) or offsets (rows_index = offsets) grouped GEMM."""
     if layout == "contiguous":
-        return _ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, rows_index, out_dtype)
-    return _ops.m_grouped_fp8_gemm_nt_offsets(a, sa, b, sb, rows_index, out_dtype)
+        return m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), None, rows_index,
+                                                out_dtype=out_dtype)
+    return m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), None, rows_index, out_dtype=out_dtype)
 
 
 class _Fp8ExpertsFunction(torch.autograd.Function):
@@ -574,7 +575,7 @@ class Fp8MoE(nn.Module):
         lay = moe_dispatch_masked(x, topk_ids, self.num_experts, max_m)
         em = expected_m if expected_m is not None else max(
             1, x.shape[0] * topk_ids.shape[1] // self.num_experts)
-        a, sa = _ops.quantize_per_token(lay.x, self.fmt, self.pow2_scales)
+        a, sa = quant.quantize_per_token(lay.x, self.fmt, pow2_scales=self.pow2_scales)
         y = self.experts_masked(a, sa, lay.masked_m, em, weights)
         return moe_combine_masked(y, lay, topk_weights).to(x.dtype)
 
@@ -583,11 +584,11 @@ class Fp8MoE(nn.Module):
         1x128 scales sa [G, Mmax, ceil(H/128)], masked_m int32 [G] on the device -> bf16
         [G, Mmax, H] (rows past masked_m[g] unspecified). No host synchronisation."""
         w13, s13, w2, s2 = self._fp8_weights() if weights is None else weights
-        h13 = _ops.m_grouped_fp8_gemm_nt_masked(a, sa, w13, s13, masked_m, expected_m,
-                                                torch.bfloat16)
-        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
-        return _ops.m_grouped_fp8_gemm_nt_masked(a2, sa2, w2, s2, masked_m, expected_m,
-                                                 torch.bfloat16)
+        h13 = m_grouped_fp8_gemm_nt_masked((a, sa), (w13, s13), None, masked_m, expected_m,
+                                           out_dtype=torch.bfloat16)
+        a2, sa2 = quant.silu_mul_quantize_per_token(h13, self.fmt, pow2_scales=self.pow2_scales)
+        return m_grouped_fp8_gemm_nt_masked((a2, sa2), (w2, s2), None, masked_m, expected_m,
+                                            out_dtype=torch.bfloat16)
 
     def _dispatch(self, x, topk_ids, layout):
         lay = moe_dispatch_contiguous(x, topk_ids, self.num_experts,
@@ -598,7 +599,7 @@ class Fp8MoE(nn.Module):
         # NOTE: the T tokens are quantised before the dispatch, whose host synchronisation then
         # waits for that kernel instead of the host launching it while the GPU idles after the
         # synchronisation; the dispatch moves fp8 rows, and their scales follow them.
-        a, sa = _ops.quantize_per_token(x, self.fmt, self.pow2_scales)
+        a, sa = quant.quantize_per_token(x, self.fmt, pow2_scales=self.pow2_scales)
         lay, rows_index = self._dispatch(a, topk_ids, layout)
         sa = get_col_major_tma_aligned_tensor(sa.index_select(0, lay.token_of_row))
         y = self.experts_grouped(lay.x, sa, rows_index, layout, weights)
@@ -613,7 +614,7 @@ class Fp8MoE(nn.Module):
             raise ValueError(f"layout must be 'contiguous' or 'offsets', got {layout!r}")
         w13, s13, w2, s2 = self._fp8_weights() if weights is None else weights
         h13 = _grouped(a, sa, w13, s13, rows_index, layout)
-        a2, sa2 = _ops.silu_mul_quantize_per_token(h13, self.fmt, self.pow2_scales)
+        a2, sa2 = quant.silu_mul_quantize_per_token(h13, self.fmt, pow2_scales=self.pow2_scales)
         return _grouped(a2, sa2, w2, s2, rows_index, layout)
 
     def _forward_training(self, x, topk_ids, topk_weights, layout, weights):
