@@ -265,7 +265,8 @@ def test_calc_diff():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["per_token", "per_block", "silu_mul"])
+@pytest.mark.parametrize("name", ["per_token", "per_block", "silu_mul", "per_token_transposed",
+                                  "per_block_transposed"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_cuda_quantisation_matches_cpu_spec(name, fmt):
     """On a GPU the public quantisers run Triton kernels; the torch code on the CPU is their spec.
@@ -273,7 +274,9 @@ def test_cuda_quantisation_matches_cpu_spec(name, fmt):
     elements (x/scale computed as a product with the reciprocal may round a near-tie the other
     way)."""
     fn = {"per_token": fp8gemm.quantize_per_token, "per_block": fp8gemm.quantize_per_block,
-          "silu_mul": fp8gemm.silu_mul_quantize_per_token}[name]
+          "silu_mul": fp8gemm.silu_mul_quantize_per_token,
+          "per_token_transposed": fp8gemm.quantize_per_token_transposed,
+          "per_block_transposed": fp8gemm.quantize_per_block_transposed}[name]
     x = torch.randn(3, 301, 1000) * 4
     q_cpu, s_cpu = fn(x, fmt)
     q_gpu, s_gpu = fn(x.cuda(), fmt)
@@ -284,9 +287,9 @@ def test_cuda_quantisation_matches_cpu_spec(name, fmt):
 
 
 def test_triton_quantisers_compile_for_sm90():
-    """The quantisation kernels as launched (rows with SiLU*mul, rows of a transposed view, blocks
-    with power-of-two scales, blocks of a transposed view) compile for sm_90a with no local
-    memory."""
+    """The quantisation kernels as launched (rows with SiLU*mul, rows of a transposed view, the
+    transposing per-token kernel, blocks with power-of-two scales, blocks transposed) compile for
+    sm_90a with no local memory."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -295,7 +298,7 @@ def test_triton_quantisers_compile_for_sm90():
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("Triton without its ptxas")
     compiled = kernels.compile_kernels(GPUTarget("cuda", 90, 32))
-    assert len(compiled) == 4
+    assert len(compiled) == 5
     for name, k in compiled:
         ptx = k.asm["ptx"]
         assert "ld.local" not in ptx and "st.local" not in ptx, name

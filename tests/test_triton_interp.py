@@ -505,11 +505,12 @@ def test_quantize_batch_past_grid_limit(tb, monkeypatch):
     """Batches beyond the grid's z limit (65535 on CUDA) launch in slices; here the limit is set
     to 2 so that [5, M, K] takes three launches, with the same results as one."""
     x = (torch.randn(5, 9, 200, generator=_gen(66)) * 4).to(torch.bfloat16)
-    want = [tb.quant.quantize_per_token(x), tb.quant.quantize_per_token(x, col_major_scales=False),
-            tb.quant.quantize_per_block(x)]
+    calls = (tb.quant.quantize_per_token, lambda x: tb.quant.quantize_per_token(
+        x, col_major_scales=False), tb.quant.quantize_per_block,
+        tb.quant.quantize_per_token_transposed, tb.quant.quantize_per_block_transposed)
+    want = [f(x) for f in calls]
     monkeypatch.setattr(tb.quant, "_MAX_GRID_Z", 2)
-    got = [tb.quant.quantize_per_token(x), tb.quant.quantize_per_token(x, col_major_scales=False),
-           tb.quant.quantize_per_block(x)]
+    got = [f(x) for f in calls]
     for (q0, s0), (q1, s1) in zip(want, got):
         assert s1.stride() == s0.stride() and torch.equal(s1, s0)
         assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8))
@@ -530,8 +531,32 @@ def test_quantize_k_offsets_past_2_31(tb):
     x.copy_((torch.randn(2, k, generator=_gen(67)) * 3).to(torch.bfloat16))
     xc = x.contiguous()
     for fn in (tb.quant.quantize_per_token, tb.quant.quantize_per_block,
-               tb.quant.silu_mul_quantize_per_token):
+               tb.quant.silu_mul_quantize_per_token, tb.quant.quantize_per_token_transposed,
+               tb.quant.quantize_per_block_transposed):
         (q, s), (q0, s0) = fn(x), fn(xc)
+        assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_transposing_quantisers_match_the_view(tb, fmt, pow2):
+    """The transposing kernels (x read along its rows, the tile transposed) give the quantisers'
+    bits on the transposed view: ragged T and C, a batch, fp32 and row-strided input, both
+    scale layouts."""
+    xs = [(torch.randn(200, 150, generator=_gen(68)) * 3).to(torch.bfloat16),
+          (torch.randn(2, 130, 70, generator=_gen(69)) * 5).to(torch.bfloat16),
+          torch.randn(129, 300, generator=_gen(70))[:, 20:277]]  # fp32, rows strided
+    for x in xs:
+        for col_major in (True, False):
+            q, s = tb.quant.quantize_per_token_transposed(x, fmt, pow2_scales=pow2,
+                                                          col_major_scales=col_major)
+            q0, s0 = tb.quant.quantize_per_token(x.transpose(-1, -2), fmt, pow2_scales=pow2,
+                                                 col_major_scales=col_major)
+            assert q.shape == q0.shape and q.is_contiguous() and s.stride() == s0.stride()
+            assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+        q, s = tb.quant.quantize_per_block_transposed(x, fmt, pow2_scales=pow2)
+        q0, s0 = tb.quant.quantize_per_block(x.transpose(-1, -2), fmt, pow2_scales=pow2)
+        assert q.shape == q0.shape and q.is_contiguous() and s.is_contiguous()
         assert torch.equal(s, s0) and torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
 
 

@@ -1,5 +1,6 @@
-"""FP8 quantisation kernels in Triton: per token (1x128), per block (128x128), and SiLU*mul fused
-with per-token quantisation (the middle of an MoE expert).
+"""FP8 quantisation kernels in Triton: per token (1x128), per block (128x128), SiLU*mul fused
+with per-token quantisation (the middle of an MoE expert), and the transposing quantisers of the
+backward GEMMs (x^T per 1x128 group along T, w^T per 128x128 block) reading x and w untransposed.
 
 Same arithmetic as the PyTorch versions in fp8gemm.quant:
     amax  = max(|x| over the group, 1e-4)
@@ -21,7 +22,8 @@ import triton.language as tl
 from ...layout import get_tma_aligned_size
 from ...problem import SCALE_BLOCK, ceil_div
 
-__all__ = ["quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token"]
+__all__ = ["quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token",
+           "quantize_per_token_transposed", "quantize_per_block_transposed"]
 
 AMAX_FLOOR = tl.constexpr(1e-4)
 _FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -93,11 +95,40 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, I,
 
 
 @triton.jit
+def _quant_cols_kernel(x_ptr, q_ptr, s_ptr, T, C, stride_xb, stride_xt, stride_xc, stride_qb,
+                       stride_qc, stride_sb, stride_sc, stride_sk,
+                       FMT_MAX: tl.constexpr, POW2: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                       MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                       GROUP_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x [T, C] -> q [C, T], s [C, ceil(T/GROUP_T)]: one [GROUP_T, BLOCK_C] tile read along C
+    (x's rows), an amax down each column, the FP8 tile transposed into q's rows."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    kb = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    x_ptr += batch * stride_xb
+    q_ptr += batch * stride_qb
+    s_ptr += batch * stride_sb
+    offs_t = kb * GROUP_T + tl.arange(0, GROUP_T)
+    mask = (offs_t < T)[:, None] & (offs_c < C)[None, :]
+    x = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_c[None, :] * stride_xc,
+                mask=mask, other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(x), axis=0), FMT_MAX, POW2)
+    q = _to_fp8(tl.clamp(x / scale[None, :], -FMT_MAX, FMT_MAX), q_ptr.dtype.element_ty,
+                SOFT_ROUND, MANT_BITS, MIN_EXP)
+    tl.store(q_ptr + offs_c[:, None].to(tl.int64) * stride_qc + offs_t[None, :], tl.trans(q),
+             mask=(offs_c < C)[:, None] & (offs_t < T)[None, :])
+    tl.store(s_ptr + offs_c * stride_sc + kb * stride_sk, scale, mask=offs_c < C)
+
+
+@triton.jit
 def _quant_block_kernel(x_ptr, q_ptr, s_ptr, N, K, stride_xb, stride_xn, stride_xk, stride_qb,
                         stride_qn, stride_sb, stride_sn, stride_sk,
                         FMT_MAX: tl.constexpr, POW2: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                        MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, BLOCK: tl.constexpr):
-    """One [BLOCK, BLOCK] block: one amax, one scale, the FP8 values."""
+                        MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, BLOCK: tl.constexpr,
+                        TRANSPOSE: tl.constexpr):
+    """One [BLOCK, BLOCK] block: one amax, one scale, the FP8 values; with TRANSPOSE the block
+    goes to q^T [K, N] (stride_qn: its row stride) and its scale to s[kb, nb] (stride_sn, stride_sk
+    the scales' strides along N and K blocks, as without)."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -110,9 +141,13 @@ def _quant_block_kernel(x_ptr, q_ptr, s_ptr, N, K, stride_xb, stride_xn, stride_
     x = tl.load(x_ptr + offs_n[:, None].to(tl.int64) * stride_xn + offs_k[None, :] * stride_xk,
                 mask=mask, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FMT_MAX, POW2)
-    q = tl.clamp(x / scale, -FMT_MAX, FMT_MAX)
-    tl.store(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_k[None, :],
-             _to_fp8(q, q_ptr.dtype.element_ty, SOFT_ROUND, MANT_BITS, MIN_EXP), mask=mask)
+    q = _to_fp8(tl.clamp(x / scale, -FMT_MAX, FMT_MAX), q_ptr.dtype.element_ty, SOFT_ROUND,
+                MANT_BITS, MIN_EXP)
+    if TRANSPOSE:
+        tl.store(q_ptr + offs_k[:, None].to(tl.int64) * stride_qn + offs_n[None, :], tl.trans(q),
+                 mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
+    else:
+        tl.store(q_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + nb * stride_sn + kb * stride_sk, scale)
 
 
@@ -226,34 +261,81 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     """w [..., N, K] bf16/fp16/fp32 (any strides) -> (q [..., N, K] fp8 row-major, scales
     [..., ceil(N/128), ceil(K/128)] fp32 row-major, one per 128x128 block)."""
     _check_input("w", w)
+    return _block_launch(w, fmt, pow2_scales, transpose=False)
+
+
+def quantize_per_block_transposed(w: torch.Tensor, fmt: str = "e4m3", *,
+                                  pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (any strides) -> quantize_per_block(w^T), bit for bit: (q [..., K, N] fp8
+    row-major, scales [..., ceil(K/128), ceil(N/128)]), reading w along its rows."""
+    _check_input("w", w)
+    return _block_launch(w, fmt, pow2_scales, transpose=True)
+
+
+def _block_launch(w, fmt, pow2_scales, transpose: bool):
     dtype = _fmt(fmt)
     if not _k_offsets_fit(w):
         w = w.contiguous()
     lead, (n, k) = tuple(w.shape[:-2]), w.shape[-2:]
-    q = torch.empty((*lead, n, k), dtype=dtype, device=w.device)
-    s = torch.empty((*lead, ceil_div(n, SCALE_BLOCK), ceil_div(k, SCALE_BLOCK)), dtype=torch.float32,
+    nb, kb = ceil_div(n, SCALE_BLOCK), ceil_div(k, SCALE_BLOCK)
+    q = torch.empty((*lead, k, n) if transpose else (*lead, n, k), dtype=dtype, device=w.device)
+    s = torch.empty((*lead, kb, nb) if transpose else (*lead, nb, kb), dtype=torch.float32,
                     device=w.device)
     if q.numel() == 0:
         return q, s
     w3, q3, s3 = _as_3d(w), _as_3d(q), _as_3d(s)
     meta = _fmt_meta(dtype)
-    # NOTE: a transposed view is read along its rows and written along its columns: the block
-    # goes through shared memory, and fewer warps per block keep more blocks in flight per SM.
-    # On the H200 against a bf16 copy at 4096x7168, w^T: 72 % of its bandwidth with 4 warps,
-    # 56 % with 8 (w itself 82-83 % with either).
-    warps = 4 if w3.stride(-1) != 1 else 8
+    # NOTE: a block is read along the rows of w, where its lines are contiguous, also for the
+    # transposed result (whose block then goes through shared memory): on the H200 against a
+    # bf16 copy at 4096x7168, w^T quantised so ran at 84 % of its bandwidth, read through a
+    # transposed view 56-72 %. A view with K strided (a transposed weight) reads less well with
+    # 8 warps a block than with 4 (72 % against 56 % at 4096x7168).
+    warps = 4 if transpose or w3.stride(-1) != 1 else 8
+    s_n, s_k = (s3.stride(2), s3.stride(1)) if transpose else (s3.stride(1), s3.stride(2))
     for bs in _batch_slices(w3.shape[0]):
         wb, qb, sb = w3[bs], q3[bs], s3[bs]
-        _quant_block_kernel[(sb.shape[1], sb.shape[2], wb.shape[0])](
+        _quant_block_kernel[(nb, kb, wb.shape[0])](
             wb, qb, sb, n, k, wb.stride(0), wb.stride(1), wb.stride(2), qb.stride(0), qb.stride(1),
-            sb.stride(0), sb.stride(1), sb.stride(2),
-            POW2=bool(pow2_scales), BLOCK=SCALE_BLOCK, num_warps=warps, **meta)
+            sb.stride(0), s_n, s_k, POW2=bool(pow2_scales), BLOCK=SCALE_BLOCK,
+            TRANSPOSE=transpose, num_warps=warps, **meta)
+    return q, s
+
+
+def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
+                                  pow2_scales: bool = False,
+                                  col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., T, C] (any strides) -> quantize_per_token(x^T), bit for bit: (q [..., C, T] fp8
+    row-major, scales [..., C, ceil(T/128)], column-major TMA-aligned unless
+    col_major_scales=False), reading x along its rows."""
+    _check_input("x", x)
+    dtype = _fmt(fmt)
+    if not _k_offsets_fit(x):
+        x = x.contiguous()
+    lead, (t, c) = tuple(x.shape[:-2]), x.shape[-2:]
+    kb = ceil_div(t, SCALE_BLOCK)
+    q = torch.empty((*lead, c, t), dtype=dtype, device=x.device)
+    s = _token_scales(lead, c, kb, col_major_scales, x.device)
+    if q.numel() == 0:
+        return q, s
+    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
+    # NOTE: [128 tokens, 64 channels] tiles, 4 warps: on the H200 against a bf16 copy, 83 % of
+    # its bandwidth at 4096x7168 and 79 % at 7168x2048 (32 channels 76 %, 128 channels 68 %,
+    # 8 warps 55-65 %); the quantised tile is transposed in shared memory as fp8.
+    block_c = 64
+    meta = _fmt_meta(dtype)
+    for bs in _batch_slices(x3.shape[0]):
+        xb, qb, sb = x3[bs], q3[bs], s3[bs]
+        _quant_cols_kernel[(ceil_div(c, block_c), kb, xb.shape[0])](
+            xb, qb, sb, t, c, xb.stride(0), xb.stride(1), xb.stride(2), qb.stride(0), qb.stride(1),
+            sb.stride(0), sb.stride(1), sb.stride(2), POW2=bool(pow2_scales), **meta,
+            GROUP_T=SCALE_BLOCK, BLOCK_C=block_c, num_warps=4)
     return q, s
 
 
 def compile_kernels(target) -> list[tuple[str, object]]:
-    """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul, per block with
-    power-of-two scales) compiled ahead of time for `target` (a
+    """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul and on a transposed
+    view, the transposing ones, per block with power-of-two scales) compiled ahead of time for
+    `target` (a
     triton.backends.compiler.GPUTarget; no GPU needed), with the launches' block sizes and warps:
     [(name, compiled kernel)]."""
     from triton.compiler import ASTSource
@@ -263,8 +345,9 @@ def compile_kernels(target) -> list[tuple[str, object]]:
                                        GROUP_K=SCALE_BLOCK), 4),
              (_quant_rows_kernel, dict(SILU_MUL=False, POW2=False, BLOCK_M=64,
                                        GROUP_K=SCALE_BLOCK), 4),  # a transposed view
-             (_quant_block_kernel, dict(POW2=True, BLOCK=SCALE_BLOCK), 8),
-             (_quant_block_kernel, dict(POW2=False, BLOCK=SCALE_BLOCK), 4)]  # a transposed view
+             (_quant_cols_kernel, dict(POW2=False, GROUP_T=SCALE_BLOCK, BLOCK_C=64), 4),
+             (_quant_block_kernel, dict(POW2=True, BLOCK=SCALE_BLOCK, TRANSPOSE=False), 8),
+             (_quant_block_kernel, dict(POW2=False, BLOCK=SCALE_BLOCK, TRANSPOSE=True), 4)]
     out = []
     for fn, consts, warps in cases:
         consts = dict(meta, **consts)
