@@ -26,10 +26,12 @@ def _every_op(xs, w, xg, wg, m_indices, offsets, masked_m):
         out += fp8gemm.silu_mul_quantize_per_token(x)
         out += fp8gemm.quantize_per_tensor(x)
         out += fp8gemm.quantize_per_channel(x)
+        out += fp8gemm.quantize_per_token_transposed(x, pow2_scales=True)
+        out += fp8gemm.quantize_per_block_transposed(x, "e5m2")
     a, sa = fp8gemm.quantize_per_token(xs[1])
     b, sb = fp8gemm.quantize_per_block(w)
     y = fp8gemm.fp8_gemm_nt((a, sa), (b, sb))
-    y32 = torch.empty(y.shape, dtype=torch.float32)
+    y32 = torch.empty(y.shape, dtype=torch.float32, device=y.device)
     fp8gemm.fp8_gemm_nt((a, sa), (b, sb), y32, c=y.float())  # out= and c
     ga, gsa = fp8gemm.quantize_per_token(xg)
     gb, gsb = fp8gemm.quantize_per_block(wg)
@@ -37,22 +39,27 @@ def _every_op(xs, w, xg, wg, m_indices, offsets, masked_m):
     yo = fp8gemm.m_grouped_fp8_gemm_nt_offsets((ga, gsa), (gb, gsb), None, offsets,
                                                out_dtype=torch.float32)
     ma, msa = fp8gemm.quantize_per_token(xg.view(2, 5, -1))
-    ym = torch.full((2, 5, wg.shape[1]), 7.0, dtype=torch.bfloat16)  # rows past masked_m kept
+    ym = torch.full((2, 5, wg.shape[1]), 7.0, dtype=torch.bfloat16,
+                    device=y.device)  # rows past masked_m kept
     fp8gemm.m_grouped_fp8_gemm_nt_masked((ma, msa), (gb[:2], gsb[:2]), ym, masked_m, 3)
     return out + [y, y32, yc, yo, ym]
 
 
-def _inputs():
+def _inputs(device):
     torch.manual_seed(0)
     xs = [torch.randn(37, k) * 3 for k in KS]
-    return (xs, torch.randn(200, 320), torch.randn(10, 320), torch.randn(3, 72, 320),
+    args = (xs, torch.randn(200, 320), torch.randn(10, 320), torch.randn(3, 72, 320),
             torch.tensor([0] * 4 + [-1] * 2 + [2] * 4, dtype=torch.int32),
             torch.tensor([0, 4, 4, 10], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32))
+    return ([x.to(device) for x in args[0]],) + tuple(t.to(device) for t in args[1:])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_public_op_compiles_fullgraph_to_eager_bits(backend):
-    args = _inputs()
+def test_every_public_op_compiles_fullgraph_to_eager_bits(backend, device):
+    """On a GPU eager runs the Triton and CUDA kernels, the compiled graph their custom ops
+    (the transposing quantisers as the quantisers on the transposed view): the same bits."""
+    args = _inputs(device)
     ref = _every_op(*args)
     torch._dynamo.reset()
     got = torch.compile(_every_op, backend=backend, fullgraph=True)(*args)
