@@ -73,10 +73,7 @@ def _sort_slots(topk_ids: torch.Tensor, num_groups: int):
     inside its expert. Dropped slots sort into a last bucket `num_groups`."""
     flat = topk_ids.flatten().long()
     flat = torch.where((flat >= 0) & (flat < num_groups), flat, num_groups)
-    # NOTE: the radix sort makes one pass per key byte: 16-bit keys take 2 where int64 takes 8
-    # (on the H200, 8 passes over a prefill's 32768 slots took 44 us).
-    keys = flat.to(torch.int16) if num_groups < 2 ** 15 else flat
-    order = torch.sort(keys, stable=True).indices
+    order = torch.sort(flat, stable=True).indices
     expert = flat[order]
     # NOTE: bincount sizes its result from the data (a host sync on CUDA); scatter_add into a
     # fixed [G + 1] keeps the masked path free of synchronisation.
