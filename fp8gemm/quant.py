@@ -109,6 +109,44 @@ def _triton_kernels(device_index: int):
     return kernels
 
 
+# NOTE: the per-token quantisers (with SiLU*mul too) as a CUDA kernel of the JIT
+# (backends/cuda/quant.py), a few microseconds of host time per call against the Triton launch's
+# tens. Checked on the CPU (compiled for sm_90a, no spills) but not yet run on a GPU: the Triton
+# kernels run until the H200 has passed tests/test_quant.py's GPU tests with it on and
+# scripts/quant_bandwidth.py has timed both in one run.
+CUDA_QUANT = False
+_printed: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _cuda_rows(x: torch.Tensor, k: int, silu: bool):
+    """The CUDA per-token kernels' module when CUDA_QUANT is on, x is on a Hopper GPU and the
+    kernel takes it, else None (the Triton kernel runs). FP8GEMM_PRINT_CONFIGS shows which."""
+    if not CUDA_QUANT:
+        return None
+    from ._settings import settings
+
+    try:
+        from .backends.cuda import quant as rows
+    except ImportError as e:  # no cuda-bindings: the CUDA backend is not installed
+        why = f"the CUDA backend does not import ({e})"
+    else:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        why = "needs sm_90" if not _sm90(index) else rows.refusal(x, k, silu)
+        if why is None:
+            return rows
+    line = (f"[fp8gemm] {'silu_mul_' if silu else ''}quantize_per_token runs on Triton: the CUDA "
+            f"kernel {why}")
+    if settings.print_configs and line not in _printed:  # (once per reason)
+        _printed.add(line)
+        print(line, flush=True)
+    return None
+
+
 def _compiling() -> bool:
     """Whether torch.compile (or export) is tracing this call: the public quantisers then run as
     the `torch.ops.fp8gemm` custom ops (see torch_ops), one opaque node each."""
@@ -129,6 +167,9 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
         return torch.ops.fp8gemm.quantize_per_token(x, fmt, pow2_scales, col_major_scales)
     kernels = _triton_quant(x)
     if kernels is not None:
+        rows = _cuda_rows(x, x.shape[-1], False)
+        if rows is not None:
+            return rows.quantize_rows(x, fmt, pow2_scales, col_major_scales, False)
         return kernels.quantize_per_token(x, fmt, pow2_scales=pow2_scales,
                                           col_major_scales=col_major_scales)
     return per_token_torch(x, fmt, pow2_scales, col_major_scales)
@@ -147,6 +188,9 @@ def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scal
                                                              col_major_scales)
     kernels = _triton_quant(x)
     if kernels is not None:
+        rows = _cuda_rows(x, x.shape[-1] // 2, True)
+        if rows is not None:
+            return rows.quantize_rows(x, fmt, pow2_scales, col_major_scales, True)
         return kernels.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
                                                    col_major_scales=col_major_scales)
     return silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales)

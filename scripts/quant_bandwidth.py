@@ -10,11 +10,14 @@ For each shape [R, C] (bf16 input) every quantiser runs as a user calls it:
   per_block             quantize_per_block(x)                 x [R, C] -> q [R, C], 128x128 scales
   per_block_transposed  quantize_per_block_transposed(x)      x [R, C] -> q [C, R] (dgrad weight)
   silu_mul              silu_mul_quantize_per_token(x)        x [R, C] -> q [R, C/2]
+  per_token_cuda, silu_mul_cuda   the two above with fp8gemm.quant.CUDA_QUANT on (the CUDA
+                        kernel of backends/cuda/quant.py where it takes x, else the same Triton)
 and `copy` is `dst.copy_(x)` into a bf16 tensor of x's shape, the bandwidth the others are
 measured against. GB/s counts each byte once: bf16 in, fp8 out, float32 scales (copy: bf16 in
 and out). The % column is a quantiser's GB/s over copy's in the same run; timing as the
 benchmark's (fp8gemm.bench.timing: cold L2, launch cost hidden, the calls taking turns run by
-run, median). Every output is checked against the torch twin the CPU runs: the same scales to
+run, median); host is the eager host time of a call (back-to-back calls, no
+synchronisation). Every output is checked against the torch twin the CPU runs: the same scales to
 float32 rounding (SCALE_RTOL: silu's exp on the GPU is not torch's to the last bit), and the
 same fp8 bytes but for at most STEP_FRACTION of them one fp8 step away (values within a float32
 rounding of a midpoint between two fp8 values go either way).
@@ -37,7 +40,8 @@ from fp8gemm.bench.timing import DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS, eage
 
 # Activations of 4096 tokens at the DeepSeek-V3 widths, and two of its weights.
 SHAPES = "4096x7168,4096x2048,4096x16384,7168x2048,2112x7168"
-OPS = ("per_token", "per_token_transposed", "per_block", "per_block_transposed", "silu_mul")
+OPS = ("per_token", "per_token_transposed", "per_block", "per_block_transposed", "silu_mul",
+       "per_token_cuda", "silu_mul_cuda")
 SCALE_BLOCK = 128
 STEP_FRACTION = 5e-3
 SCALE_RTOL = 1e-6  # as tests/test_quant.py holds the GPU quantisers to the CPU spec
@@ -47,8 +51,22 @@ def ceil_div(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
+def with_cuda_quant(fn):
+    """fn run with fp8gemm.quant.CUDA_QUANT on, restored afterwards."""
+    def run(x):
+        saved, quant.CUDA_QUANT = quant.CUDA_QUANT, True
+        try:
+            return fn(x)
+        finally:
+            quant.CUDA_QUANT = saved
+    return run
+
+
 def quantiser(op: str, fmt: str):
     """(the public call, its torch twin): both x -> (q, s)."""
+    if op.endswith("_cuda"):
+        fn, twin = quantiser(op[:-len("_cuda")], fmt)
+        return with_cuda_quant(fn), twin
     if op == "per_token":
         return (lambda x: quant.quantize_per_token(x, fmt),
                 lambda x: quant.per_token_torch(x, fmt, False, True))
@@ -80,6 +98,7 @@ def agrees(q, s, tq, ts) -> bool:
 
 def moved_bytes(op: str, r: int, c: int) -> int:
     """Bytes a quantiser of x [r, c] must move: x once (bf16), q once (fp8), its scales once."""
+    op = op[:-len("_cuda")] if op.endswith("_cuda") else op
     if op == "silu_mul":
         return 2 * r * c + r * (c // 2) + 4 * r * ceil_div(c // 2, SCALE_BLOCK)
     if op in ("per_token", "per_token_transposed"):
@@ -116,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = {"copy": 4 * r * c}
         for fmt in args.fmt.split(","):
             for op in ops:
-                if op == "silu_mul" and c % 2:
+                if op.startswith("silu_mul") and c % 2:
                     continue
                 fn, twin = quantiser(op, fmt)
                 q, s = fn(x)
@@ -129,17 +148,18 @@ def main(argv: list[str] | None = None) -> int:
                 calls[name] = lambda fn=fn, x=x: fn(x)
                 nbytes[name] = moved_bytes(op, r, c)
         names = list(calls)
-        times = timer.time_interleaved_us(
-            [(calls[n], eager_time_us(calls[n], dev).host_us, MIN_BUSY_US) for n in names],
-            args.runs)
+        host = {n: eager_time_us(calls[n], dev).host_us for n in names}
+        times = timer.time_interleaved_us([(calls[n], host[n], MIN_BUSY_US) for n in names],
+                                          args.runs)
         us = {n: median(t) for n, t in zip(names, times)}
         copy_gbs = nbytes["copy"] / us["copy"] / 1e3
         for n in names:
             gbs = nbytes[n] / us[n] / 1e3
             print(f"{shape:>11} {n:>28} {us[n]:9.1f} us {gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.0f} %"
-                  " of copy", flush=True)
+                  f" of copy  host {host[n]:6.1f} us", flush=True)
             rows.append({"shape": [r, c], "impl": n, "us": round(us[n], 3),
-                         "gbs": round(gbs, 1), "of_copy": round(gbs / copy_gbs, 4)})
+                         "gbs": round(gbs, 1), "of_copy": round(gbs / copy_gbs, 4),
+                         "host_us": round(host[n], 1)})
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

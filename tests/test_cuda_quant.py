@@ -1,0 +1,126 @@
+"""The per-token quantiser as a CUDA kernel (fp8gemm/backends/cuda/quant.py): every instance
+compiled for sm_90a without a GPU (no spills, no local memory, the FP8 conversion in the SASS);
+what it refuses; on a Hopper GPU with quant.CUDA_QUANT on, the torch code's values (its
+specification) on ragged, batched, strided and non-finite input."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+import fp8gemm
+from fp8gemm import quant
+from helpers import FP8_STEP_FRACTION, compiler_or_skip, fp8_steps
+
+cq = pytest.importorskip("fp8gemm.backends.cuda.quant")
+
+
+def test_every_instance_compiles_clean(tmp_path, monkeypatch):
+    compiler_or_skip()
+    from fp8gemm.jit import cuobjdump_path
+
+    tool = cuobjdump_path()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton's wheel)")
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    for dtype, fmt, silu, pow2 in cq.VARIANTS:
+        what = f"{dtype} {fmt} silu={silu} pow2={pow2}"
+        compiled = cq.compile_kernel(dtype, fmt, silu, pow2)[1]
+        path = tmp_path / "k.cubin"
+        path.write_bytes(compiled.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB" in sass, what
+        assert "LDG.E.NA.128" in sass and not re.search(r"\b(LDL|STL)\b", sass), what
+        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True,
+                             text=True).stdout
+        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
+        assert len(found) >= 2 and max(map(int, found)) == 0, (what, res)
+
+
+def test_refusals_name_the_constraint():
+    x = torch.zeros(4, 320, dtype=torch.bfloat16)
+    assert cq.refusal(x, 320, False) is None
+    assert cq.refusal(x, 160, True) is None
+    assert "K % 8" in cq.refusal(torch.zeros(4, 324, dtype=torch.bfloat16), 324, False)
+    assert "K % 8" in cq.refusal(x, 164, True)  # (a SiLU split of 2 x 164 is not 16-byte aligned)
+    assert "unit column stride" in cq.refusal(x.t(), 4, False)
+    assert "strides % 8" in cq.refusal(torch.zeros(4, 330, dtype=torch.bfloat16)[:, :320], 320,
+                                       False)
+    assert "16-byte" in cq.refusal(torch.zeros(4 * 320 + 8, dtype=torch.bfloat16)[4:4 + 1280]
+                                   .view(4, 320), 320, False)
+    assert "bf16, fp16 or fp32" in cq.refusal(torch.zeros(4, 320, dtype=torch.float64), 320,
+                                              False)
+
+
+@pytest.fixture
+def cuda_quant(monkeypatch):
+    """quant.CUDA_QUANT on, and a count of the CUDA kernel's calls."""
+    calls = []
+    run = cq.quantize_rows
+
+    def counted(*args):
+        calls.append(args[1:])
+        return run(*args)
+
+    monkeypatch.setattr(quant, "CUDA_QUANT", True)
+    monkeypatch.setattr(cq, "quantize_rows", counted)
+    return calls
+
+
+def _agrees(got, want, what):
+    (q, s), (q0, s0) = got, want
+    assert q.dtype == q0.dtype and q.shape == q0.shape and s.shape == s0.shape, what
+    assert s.stride() == s0.stride(), what
+    torch.testing.assert_close(s.cpu(), s0, rtol=1e-6, atol=0, equal_nan=True, msg=what)
+    nan = q0.float().isnan()
+    assert torch.equal(q.cpu().float().isnan(), nan), f"{what}: NaN elsewhere"
+    steps = fp8_steps(q.cpu(), q0)[~nan]
+    assert int(steps.max()) <= 1 and float((steps > 0).float().mean()) <= FP8_STEP_FRACTION, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_matches_the_torch_spec(gpu_device, cuda_quant, fmt, pow2):
+    cases = [torch.randn(301, 1000) * 4,                                  # ragged last group
+             torch.randn(3, 37, 384, dtype=torch.float64).float() * 100,  # a batch
+             (torch.randn(64, 7168) * torch.logspace(-3, 3, 7168)).half(),
+             torch.randn(40, 1032)[:, :1024].bfloat16(),                  # row-strided
+             torch.zeros(5, 256).bfloat16()]                              # amax floored
+    nonfinite = torch.randn(9, 512)
+    nonfinite[1, 7], nonfinite[2, 300], nonfinite[3, 0] = float("inf"), float("-inf"), float("nan")
+    cases.append(nonfinite)
+    for x in cases:
+        what = f"{list(x.shape)} {x.dtype} {fmt} pow2={pow2}"
+        for col_major in (True, False):
+            before = len(cuda_quant)
+            got = fp8gemm.quantize_per_token(x.to(gpu_device), fmt, pow2_scales=pow2,
+                                             col_major_scales=col_major)
+            assert len(cuda_quant) == before + 1, f"{what}: the CUDA kernel did not run"
+            _agrees(got, quant.per_token_torch(x, fmt, pow2, col_major), what)
+        g = x[..., : x.shape[-1] // 16 * 16]
+        got = fp8gemm.silu_mul_quantize_per_token(g.to(gpu_device), fmt, pow2_scales=pow2)
+        _agrees(got, quant.silu_mul_per_token_torch(g, fmt, pow2, True), "silu " + what)
+
+
+@pytest.mark.gpu
+def test_refused_input_runs_triton_with_the_same_values(gpu_device, cuda_quant):
+    x = torch.randn(33, 324) * 3  # K % 8 != 0
+    got = fp8gemm.quantize_per_token(x.to(gpu_device))
+    assert not cuda_quant
+    _agrees(got, quant.per_token_torch(x, "e4m3", False, True), "K = 324")
+
+
+@pytest.mark.gpu
+def test_repeats_bit_for_bit_and_writes_nothing_else(gpu_device, cuda_quant):
+    """The same bits on every run; q and s are fresh tensors, x is left as it was."""
+    x = torch.randn(4096, 7168, device=gpu_device, dtype=torch.bfloat16)
+    x0 = x.clone()
+    q, s = fp8gemm.quantize_per_token(x)
+    for _ in range(3):
+        q2, s2 = fp8gemm.quantize_per_token(x)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    assert torch.equal(x, x0) and len(cuda_quant) == 4
