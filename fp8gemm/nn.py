@@ -572,11 +572,15 @@ class Fp8MoE(nn.Module):
         return self._forward_grouped(x, topk_ids, topk_weights, layout, weights)
 
     def _forward_masked(self, x, topk_ids, topk_weights, max_m, expected_m, weights):
-        lay = moe_dispatch_masked(x, topk_ids, self.num_experts, max_m)
+        # NOTE: the T tokens are quantised, not the G x Mmax rows of the layout (at decode four
+        # times as many, mostly empty); the dispatch moves fp8 rows, and their scales follow.
+        a, sa = quant.quantize_per_token(x, self.fmt, pow2_scales=self.pow2_scales)
+        lay = moe_dispatch_masked(a, topk_ids, self.num_experts, max_m)
+        sa = get_col_major_tma_aligned_tensor(
+            sa.index_select(0, lay.token_of_row.flatten()).view(*lay.x.shape[:2], -1))
         em = expected_m if expected_m is not None else max(
             1, x.shape[0] * topk_ids.shape[1] // self.num_experts)
-        a, sa = quant.quantize_per_token(lay.x, self.fmt, pow2_scales=self.pow2_scales)
-        y = self.experts_masked(a, sa, lay.masked_m, em, weights)
+        y = self.experts_masked(lay.x, sa, lay.masked_m, em, weights)
         return moe_combine_masked(y, lay, topk_weights).to(x.dtype)
 
     def experts_masked(self, a, sa, masked_m, expected_m: int, weights=None) -> torch.Tensor:

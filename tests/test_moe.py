@@ -138,6 +138,8 @@ def test_masked_roundtrip(dropped):
     assert lay.x.shape == (g, t, k) and torch.equal(lay.masked_m, counts)
     rows = torch.arange(t)[None, :] < counts[:, None]
     assert (lay.x[~rows] == 0).all()
+    assert lay.token_of_row.shape == (g, t) and (lay.token_of_row[~rows] == 0).all()
+    assert torch.equal(x[lay.token_of_row[rows]], lay.x[rows])  # each row holds its token
     a = fp8gemm.quantize_per_token(lay.x)
     y = fp8gemm.m_grouped_fp8_gemm_nt_masked(a, wb, None, lay.masked_m, expected_m=8,
                                              out_dtype=FP32, backend="reference")

@@ -880,36 +880,42 @@ def _fp8_pipeline(md: MoeData, gemm: Callable, masked: bool):
     g, i, h = md.w13.shape[0], md.width, md.x.shape[1]
 
     def dispatch():
+        """Fp8MoE's order: the tokens quantised, then their fp8 rows and scales laid out."""
+        a, sa = fp8gemm.quantize_per_token(md.x)
         if masked:
-            return fp8gemm.moe_dispatch_masked(md.x, md.topk_ids, g)
-        return fp8gemm.moe_dispatch_contiguous(md.x, md.topk_ids, g)
+            lay = fp8gemm.moe_dispatch_masked(a, md.topk_ids, g)
+            rows = lay.token_of_row.flatten()
+        else:
+            lay = fp8gemm.moe_dispatch_contiguous(a, md.topk_ids, g)
+            rows = lay.token_of_row
+        sa = get_col_major_tma_aligned_tensor(
+            sa.index_select(0, rows).view(*lay.x.shape[:-1], -1))
+        return lay, sa
 
     def run():
-        lay = dispatch()
-        a, sa = fp8gemm.quantize_per_token(lay.x)
+        lay, sa = dispatch()
         # NOTE: zeros, as the fp8gemm ops allocate: rows no GEMM writes (padding, past
         # masked_m) must not feed NaN into the next quantisation.
-        mid = lay.x.new_zeros(*lay.x.shape[:-1], 2 * i)
-        gemm(a, sa, md.w13, md.s13, mid, lay)
+        mid = torch.zeros(*lay.x.shape[:-1], 2 * i, dtype=md.x.dtype, device=md.x.device)
+        gemm(lay.x, sa, md.w13, md.s13, mid, lay)
         a2, sa2 = fp8gemm.silu_mul_quantize_per_token(mid)
-        y = lay.x.new_empty(*lay.x.shape[:-1], h)
+        y = torch.empty(*lay.x.shape[:-1], h, dtype=md.x.dtype, device=md.x.device)
         gemm(a2, sa2, md.w2, md.s2, y, lay)
         combine = fp8gemm.moe_combine_masked if masked else fp8gemm.moe_combine_contiguous
         return combine(y, lay, md.topk_weights).to(md.x.dtype)
 
-    lay = dispatch()
-    a, sa = fp8gemm.quantize_per_token(lay.x)
-    mid = lay.x.new_zeros(*lay.x.shape[:-1], 2 * i)
-    gemm(a, sa, md.w13, md.s13, mid, lay)
+    lay, sa = dispatch()
+    mid = torch.zeros(*lay.x.shape[:-1], 2 * i, dtype=md.x.dtype, device=md.x.device)
+    gemm(lay.x, sa, md.w13, md.s13, mid, lay)
     a2, sa2 = fp8gemm.silu_mul_quantize_per_token(mid)
-    y = lay.x.new_empty(*lay.x.shape[:-1], h)
+    y = torch.empty(*lay.x.shape[:-1], h, dtype=md.x.dtype, device=md.x.device)
 
     def gemms():
-        gemm(a, sa, md.w13, md.s13, mid, lay)
+        gemm(lay.x, sa, md.w13, md.s13, mid, lay)
         gemm(a2, sa2, md.w2, md.s2, y, lay)
 
     def quantisation():
-        fp8gemm.quantize_per_token(lay.x)
+        fp8gemm.quantize_per_token(md.x)
         fp8gemm.silu_mul_quantize_per_token(mid)
 
     return run, {"GEMMs": gemms, "quantisation": quantisation}
