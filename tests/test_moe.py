@@ -422,3 +422,25 @@ def test_combine_ab_script_toggles_and_restores_the_switch():
     assert moe_module.TRITON_COMBINE is before
     if not torch.cuda.is_available():
         assert ab.main([]) == 2
+
+
+def test_layer_profile_script_steps_run_on_the_cpu():
+    """scripts/moe_layer_profile.py: every step it times runs (here on a small CPU layer), and
+    the steps chained give the layer's output; without a GPU the script says so."""
+    import importlib.util
+
+    from fp8gemm.bench.impls import make_data
+    from fp8gemm.bench.suites import Case
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "moe_layer_profile.py"
+    spec = importlib.util.spec_from_file_location("moe_layer_profile", path)
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    md = make_data(Case("moe-layer", "moe_layer", 200, 256, 128, 2), torch.device("cpu")).moe
+    steps = prof.steps_of(md)
+    results = {name: fn() for name, fn in steps.items()}
+    y = results["combine"]
+    assert y.shape == md.x.shape
+    assert fp8gemm.calc_diff(y.to(md.x.dtype), results["whole layer"]) < 1e-6
+    if not torch.cuda.is_available():
+        assert prof.main([]) == 2
