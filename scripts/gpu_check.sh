@@ -18,7 +18,7 @@
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
-#   TEST_ARGS="..."    extra pytest arguments (e.g. "-k triton" or "-x")
+#   TEST_ARGS="..."    extra pytest arguments, shell-quoted (e.g. "-x" or '-k "combine or e5m2"')
 #   TEST_TIMEOUT=450   seconds for the tests (the whole GPU suite needs ~400 s: run the bench
 #                      in a call of its own, SKIP_TESTS=1, when it should have the time)
 #   TIME_BUDGET=570    seconds for the whole script; the suites share what the tests leave
@@ -58,9 +58,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torc
 tests_summary="skipped (SKIP_TESTS=1)"
 if [[ "${SKIP_TESTS:-0}" != "1" ]]; then
     echo "== pytest -m gpu (limit ${TEST_TIMEOUT}s) -> $OUT/gpu_tests.log"
+    eval "extra=(${TEST_ARGS:-})"  # (quoted words stay one argument: -k "a or b")
     # shellcheck disable=SC2086
     timeout --signal=INT --kill-after=15 "$TEST_TIMEOUT" \
-        python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TEST_PATHS:-tests/} ${TEST_ARGS:-} \
+        python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TEST_PATHS:-tests/} "${extra[@]}" \
         >"$OUT/gpu_tests.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/gpu_tests.log"
