@@ -29,7 +29,6 @@ from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_conti
 __all__ = ["Fp8Linear", "Fp8MoE", "convert", "ConvertReport", "DEFAULT_EXCLUDE"]
 
 
-
 def _check_features(what: str, name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{what}: {name} must be a non-negative int, got {value!r}")
