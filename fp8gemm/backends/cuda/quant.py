@@ -6,7 +6,7 @@ costs tens.
 `quantize_rows` returns what fp8gemm.quant's torch code does (its specification); `refusal`
 says why an input is not taken (the caller then runs the Triton kernel): the kernel reads
 16-byte vectors, so it needs K (and the SiLU split) % 8 == 0, row strides % 8 == 0 and 16-byte
-aligned bases, and its 32-bit work index needs M * ceil(K/128) < 2^32.
+aligned bases, and its 32-bit work index needs M * ceil(K/128) < 2^31.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def refusal(x: torch.Tensor, k: int, silu: bool) -> str | None:
     rows = x.reshape(-1, *x.shape[-2:]) if x.dim() > 3 else x
     if any(st % 8 for st in rows.stride()[:-1]):
         return "needs row and batch strides % 8 == 0 (16-byte vectors)"
-    if x.shape[-2] * ceil_div(k, SCALE_BLOCK) >= 2 ** 32:
-        return "needs M * ceil(K/128) < 2^32"
+    if x.shape[-2] * ceil_div(k, SCALE_BLOCK) >= 2 ** 31:
+        return "needs M * ceil(K/128) < 2^31"
     return None
 
 

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
   constexpr uint32_t kInBytes = kIn == kInF32 ? 4 : 2;
   constexpr float kFmtMax = kE5M2 ? 57344.0f : 448.0f;
   constexpr uint32_t kGroupsPerCta = kThreads / kQuantLanes;
-  // (the host keeps M * groups below 2^32: 32-bit division)
+  // (the host keeps M * groups below 2^31: 32-bit indices and division)
   const uint32_t groups = ceil_div(k, kQuantGroup);
   const uint32_t items = m_rows * groups;
   const uint32_t lane = threadIdx.x % kQuantLanes;
