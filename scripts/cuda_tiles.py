@@ -12,8 +12,10 @@ A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE cha
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
 heuristic's value, except those that follow from a changed field, unless they are given too: a
 changed block_m or block_n re-derives num_stages (the most that fit the device's shared memory,
-up to the most the family's candidates use; even for the small-M family) and two_accum (off); a
-changed block_m, block_n or num_multicast re-derives grid (a CTA per tile up to the SM count, a
+up to the most the family's candidates use; even for the small-M family) and two_accum (off,
+also for a changed splits); a
+changed block_m, block_n, num_multicast or splits (the 1D2D family's split-K) re-derives grid
+(a CTA per tile, or per tile and split, up to the SM count, a
 multiple of the cluster; small-M: a changed block_m or num_splits, one CTA per tile and split).
 --sweep adds every config of `candidate_configs`.
 
@@ -55,7 +57,7 @@ from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E40
 
 M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
 TILE_FIELDS = ("block_m", "block_n")  # num_stages and two_accum follow from these
-GRID_FIELDS = ("block_m", "block_n", "num_multicast")  # grid follows from these
+GRID_FIELDS = ("block_m", "block_n", "num_multicast", "splits")  # grid follows from these
 MAX_DIFF = 1e-5  # the library's bound for bf16 output (fp32 output lands closer)
 
 
@@ -122,15 +124,16 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
     module docstring). Returns None when no stage count fits shared memory."""
     cfg = dataclasses.replace(base, **changes)
     tile_changed = any(f in changes for f in TILE_FIELDS)
-    if tile_changed and "two_accum" not in changes and hasattr(cfg, "two_accum"):
-        cfg = dataclasses.replace(cfg, two_accum=False)
+    if (tile_changed or "splits" in changes) and "two_accum" not in changes \
+            and hasattr(cfg, "two_accum"):
+        cfg = dataclasses.replace(cfg, two_accum=False)  # (split-K runs one accumulator)
     split = hasattr(cfg, "num_splits")  # the small-M family: one CTA per (tile, split), even rings
     if "grid" not in changes and (split and ("num_splits" in changes or tile_changed)
                                   or any(f in changes for f in GRID_FIELDS)):
         if split:
             cfg = dataclasses.replace(cfg, grid=tile_count(problem, cfg) * cfg.num_splits)
         else:
-            grid = min(facts.num_sms, tile_count(problem, cfg))
+            grid = min(facts.num_sms, tile_count(problem, cfg) * getattr(cfg, "splits", 1))
             mc = getattr(cfg, "num_multicast", 1)
             cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
     if tile_changed and "num_stages" not in changes:

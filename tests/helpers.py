@@ -400,6 +400,16 @@ def assert_close_diff(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
 # sm90 configs the heuristic may not pick for the suite, built directly by the tests: 2-CTA multicast
 # of A and of B, wide odd tiles, BLOCK_M 256 (two waves), two accumulators in flight.
 # (m, n, k, bm, bn, multicast, on_a, two_accum)
+# Split-K configs of the dense 1D2D kernel (the heuristic does not offer split-K yet: built
+# directly): (M, N, K, BLOCK_M, BLOCK_N, splits).
+SPLIT_K_CONFIGS = [
+    (1000, 512, 32768, 128, 128, 4),   # a dgrad shape: thin N, long K, one wave of tiles
+    (192, 7168, 16384, 128, 128, 2),   # M between 128 and 256
+    (37, 576, 320, 128, 128, 2),       # 3 k-blocks in parts of 1 and 2, K and M tails
+    (300, 1088, 640, 256, 136, 3),     # BLOCK_M 256 (two waves), 136 wide, 5 k-blocks in 3
+    (130, 576, 16384, 64, 160, 8),     # BLOCK_M 64, 160 wide, 8 parts
+]
+
 FORCED_CONFIGS = [
     (512, 2048, 1024, 128, 128, 2, False, False),   # multicast of B: pairs share n_block
     (512, 2048, 1024, 128, 128, 2, True, False),    # multicast of A: pairs share m_block

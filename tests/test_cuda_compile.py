@@ -19,7 +19,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS, compiler_or_skip
+from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, compiler_or_skip
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -396,6 +396,34 @@ def test_forced_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, two_accu
     cfg = g.Sm90Config(bm, bn, stages, multicast, on_a, g.BAND_SIZE, 132, two_accum)
     _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg)
     assert_clean_cubin(compiled, cfg, tool, tmp_path, str(cfg))
+
+
+# Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_k_configs` runs,
+# and their float32 partial-sum stores in the SASS.
+@pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)
+def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkeypatch):
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    stages = g.max_stages(bm, bn, k, H200.smem_per_block)
+    cfg = g.Sm90Config(bm, bn, stages, 1, False, g.BAND_SIZE, 132, False, splits)
+    _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg, has_c=True)
+    assert_clean_cubin(compiled, cfg, tool, tmp_path, str(cfg))
+    path = tmp_path / "split.cubin"
+    path.write_bytes(compiled.cubin)
+    sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+    assert "STG.E.64" in sass and "UTMASTG" not in sass, f"{cfg}: no float32 part stores"
+
+
+def test_split_k_refusals():
+    """A split plan needs a dense problem, no multicast, one accumulator, a k-block a part."""
+    ok = g.Sm90Config(128, 128, 4, 1, False, g.BAND_SIZE, 132, False, 2)
+    assert "splits=2" in str(ok)
+    for cfg, prob in [(ok, problem(256, 512, 128)),  # one k-block for two parts
+                      (g.Sm90Config(128, 128, 4, 2, False, 2, 132, False, 2), problem(512, 512, 1024)),
+                      (g.Sm90Config(128, 128, 4, 1, False, 2, 132, True, 2), problem(512, 512, 1024))]:
+        with pytest.raises(ValueError, match="split-K needs"):
+            g.Sm90Plan(prob, 0, cfg)
 
 
 def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS, TOL, calc_diff, col_major_tma, rand_scales, ref_gemm
+from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, TOL, calc_diff, col_major_tma, rand_scales,
+                     ref_gemm)
 
 pytestmark = pytest.mark.gpu
 
@@ -200,6 +201,60 @@ def test_forced_configs(m, n, k, bm, bn, multicast, on_a, two_accum, gpu_device)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
     assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
+
+
+def _split_config(fam, problem, facts, bm, bn, splits):
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
+
+    stages = sm90_fp8_gemm_1d2d.max_stages(bm, bn, problem.k, facts.smem_per_block)
+    units = ceil_div(problem.m, bm) * ceil_div(problem.n, bn) * splits
+    return replace(fam.select_config(problem, facts), block_m=bm, block_n=bn, num_stages=stages,
+                   num_multicast=1, grid=min(facts.num_sms, units), two_accum=False,
+                   splits=splits)
+
+
+@pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)
+def test_split_k_configs(m, n, k, bm, bn, splits, gpu_device):
+    """Split-K (built directly: the heuristic does not offer it yet): against float64 with a
+    poisoned out, with C and a bias-like C (row stride 0) added before the one rounding, the same
+    bits on every run, and inside a CUDA graph."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import FAMILIES
+    from fp8gemm.backends.family import DeviceFacts
+
+    fam = {f.name: f for f in FAMILIES}["sm90_fp8_gemm_1d2d"]
+    facts = DeviceFacts.of(gpu_device)
+    problem = dense_problem(m, n, k)
+    cfg = _split_config(fam, problem, facts, bm, bn, splits)
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    want = reference(a, sa, b, sb)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
+    fam.run(cfg, problem, a, sa, b, sb, out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert calc_diff(out, want) < TOL_BF16
+    again = torch.empty_like(out)
+    fam.run(cfg, problem, a, sa, b, sb, again)
+    assert torch.equal(again, out)  # a fixed order of the parts: the same bits
+    with_c = replace(problem, has_c=True)
+    c = torch.randn(m, n, device=gpu_device)
+    bias = torch.randn(n, device=gpu_device).expand(m, n)  # row stride 0
+    for cc in (c, bias):
+        out_c = torch.full_like(out, float("nan"))
+        fam.run(cfg, with_c, a, sa, b, sb, out_c, c=cc)
+        assert calc_diff(out_c, want + cc.double()) < TOL_BF16
+    graphed = torch.full_like(out, float("nan"))
+    fam.run(cfg, problem, a, sa, b, sb, graphed)  # (warm: the kernel and workspace exist)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fam.run(cfg, problem, a, sa, b, sb, graphed)
+    graphed.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, out)
 
 
 # --- addressing corner cases ---------------------------------------------------------------------

@@ -41,6 +41,15 @@ def test_dense_tile_change_rederives_stages_and_grid():
     assert cfg.grid == min(132, ceil_div(4096, 128) * ceil_div(4096, 192))
 
 
+def test_dense_split_k_variant_rederives_grid_and_drops_two_accum():
+    p = ct.dense_problem(192, 7168, 16384)
+    base, cfg = _derive(g2.DENSE, p, "block_m=128+block_n=128+splits=2")
+    assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.two_accum) == (128, 128, 2, False)
+    assert cfg.grid == min(132, ceil_div(192, 128) * ceil_div(7168, 128) * 2)
+    _, wide = _derive(g2.DENSE, ct.dense_problem(1000, 512, 32768), "splits=4")
+    assert wide.splits == 4 and not wide.two_accum and wide.grid <= 132
+
+
 def test_wgrad_two_accum_variant():
     p = ct.wgrad_problem(2112, 7168, 4096)
     assert g1.DENSE.supports(p) is None

@@ -152,6 +152,9 @@ class Sm90Config:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M 128, BLOCK_N <= 128)
+    # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
+    # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
+    splits: int = 1
 
     @property
     def num_threads(self) -> int:
@@ -165,7 +168,8 @@ class Sm90Config:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
-                + (" accum=2" if self.two_accum else ""))
+                + (" accum=2" if self.two_accum else "")
+                + (f" splits={self.splits}" if self.splits > 1 else ""))
 
 
 def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
@@ -304,7 +308,8 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
     b = {True: "true", False: "false"}
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
-            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c]}, {b[a_e5m2]}>")
+            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c and cfg.splits == 1]}, "
+            f"{b[a_e5m2]}, {cfg.splits}>")
     return source, name
 
 
@@ -321,7 +326,7 @@ class Sm90Plan:
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
 
     __slots__ = ("cfg", "kind", "has_c", "kernel", "launch", "device_index", "m", "n", "k",
-                 "groups", "num_kb", "packs", "tmaps", "sm_override")
+                 "groups", "num_kb", "packs", "tmaps", "sm_override", "workspaces")
 
     def __init__(self, problem: GemmProblem, device_index: int, cfg: Sm90Config) -> None:
         # The set_num_sms value the config was chosen under (warm launches compare it).
@@ -336,6 +341,12 @@ class Sm90Plan:
             if problem.kind is not GemmKind.DENSE or blocks % 2 or cfg.band_size % 2:
                 raise ValueError(f"config {cfg}: multicast needs a dense problem, an even block "
                                  f"count on the shared side and an even band")
+        if cfg.splits > 1 and (problem.kind is not GemmKind.DENSE or cfg.num_multicast != 1
+                               or cfg.two_accum or not cfg.splits <= self.num_kb):
+            raise ValueError(f"config {cfg}: split-K needs a dense problem, no multicast, one "
+                             f"accumulator and at least one of the {self.num_kb} k-blocks a part")
+        # split-K: a float32 [splits, M, N] workspace per stream (a stream's calls run in order)
+        self.workspaces: dict[int, torch.Tensor] = {}
         smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
                                                problem.has_c,
@@ -395,6 +406,9 @@ class Sm90Plan:
         sa = kernel_a_scales(sa)
         if not sb.is_contiguous():
             sb = sb.contiguous()
+        if self.cfg.splits > 1:
+            self._run_split(a, sa, b, sb, out, c)
+            return
         dst = out
         if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
             # A contiguous view at an odd storage offset: TMA cannot address it (slow path).
@@ -412,6 +426,31 @@ class Sm90Plan:
         launch(self.kernel, self.launch, self.device_index, pack)
         if dst is not out:
             out.copy_(dst)
+
+
+    def _run_split(self, a, sa, b, sb, out, c) -> None:
+        """Split-K: the kernel writes each part's FP32 sums to the stream's workspace, then they
+        are added in a fixed order (the same bits on every run), C added, rounded once to out."""
+        a, b = tma_aligned(a), tma_aligned(b)
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        ws = self.workspaces.get(stream)
+        if ws is None:
+            if len(self.workspaces) > 16:
+                self.workspaces.clear()
+            ws = self.workspaces[stream] = torch.empty(
+                (self.cfg.splits, self.m, self.n), dtype=torch.float32, device=a.device)
+        # NOTE: a key the ops layer's warm path never builds (its hit would skip the sums below).
+        key = ("split", a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), ws.data_ptr())
+        pack = self.packs.get(key)
+        if pack is None:
+            # (the output maps, which the split kernel never uses, are built over the
+            # workspace's bytes as bf16: a float32 box of 64 columns exceeds the swizzle span)
+            pack = self.params(a, sa, b, sb, ws.view(torch.bfloat16), None, key)
+        launch(self.kernel, self.launch, self.device_index, pack)
+        total = ws.sum(0)
+        if c is not None:
+            total += c
+        out.copy_(total)
 
 
 def _c_key(c: torch.Tensor | None) -> tuple | None:

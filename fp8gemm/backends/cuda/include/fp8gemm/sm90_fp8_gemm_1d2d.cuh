@@ -7,6 +7,9 @@
 //     first masked_m[g] rows). Rows that belong to no group are neither computed nor written.
 //   kHasC (dense only): C float32 [M, N], unit column stride, row stride c_stride elements (0: one
 //     row for every row, a bias), added to the FP32 sums before the bf16 rounding.
+//   kNumSplits > 1 (dense only, split-K): each tile's k-blocks are cut in kNumSplits ranges, each a
+//     work item of its own, whose FP32 sums go to `out` as a float32 workspace [kNumSplits, M, N]
+//     (plain stores, no atomics); the host adds the parts in a fixed order (and C) and rounds.
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
 // (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages.
 #pragma once
@@ -61,7 +64,7 @@ __device__ __forceinline__ uint32_t sa_shift_of(const Tile& t) {
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum, bool kHasC, bool kAE5M2>
+          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
@@ -126,6 +129,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                 "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave "
                 "(one math warpgroup spills with the epilogue under the next tile's wgmma)");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
+  static_assert(kNumSplits == 1 || (kKind == kKindDense && kNumTMAMulticast == 1 && !kTwoAccum &&
+                                    !kHasC && kNumSplits <= kNumKBlocks),
+                "split-K: dense, one CTA per cluster, one accumulator, C added by the host, and a "
+                "k-block per split at least");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
   uint32_t dyn_smem;
@@ -166,8 +173,17 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     __syncthreads();
   }
 
-  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM> scheduler(shape_m, grouped_layout,
-                                                                              num_groups);
+  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits> scheduler(
+      shape_m, grouped_layout, num_groups);
+  // The k-blocks of a tile's part: all of them without split-K.
+  auto kb_begin = [](const Tile& t) -> uint32_t {
+    if constexpr (kNumSplits == 1) return 0;
+    else return t.split * kNumKBlocks / kNumSplits;
+  };
+  auto kb_end = [](const Tile& t) -> uint32_t {
+    if constexpr (kNumSplits == 1) return kNumKBlocks;
+    else return (t.split + 1) * kNumKBlocks / kNumSplits;
+  };
   Tile tile;
 
   if (warpgroup == kNumMathThreads / 128) {
@@ -188,7 +204,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       const int32_t m0 = t.m0;
       // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
       const int32_t n0 = static_cast<int32_t>(t.group * SHAPE_N + t.n_block * BLOCK_N);
-      for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+      const uint32_t kb1 = kb_end(t);
+      for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, stage_tx_bytes);
@@ -278,6 +295,28 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
 
     // --- epilogue: final_acc -> bf16 tile in shared memory -> TMA stores ------------------------
     auto epilogue = [&](const Tile& t) {
+      if constexpr (kNumSplits > 1) {
+        // Split-K: this part's FP32 sums to its slice of the workspace, two columns a store
+        // (N % 8 == 0: a pair is in or out).
+        float* part = reinterpret_cast<float*>(out) +
+                      static_cast<uint64_t>(t.split) * shape_m * SHAPE_N;
+        const uint32_t n0 = t.n_block * BLOCK_N + col_in_group;
+#pragma unroll
+        for (uint32_t w = 0; w < kNumWaves; ++w) {
+#pragma unroll
+          for (uint32_t h = 0; h < 2; ++h) {
+            const uint32_t row = static_cast<uint32_t>(t.m0) + w * WAVE_M + r0 + 8 * h;
+#pragma unroll
+            for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+              const uint32_t col = n0 + g * 8;
+              if (row < shape_m && col < SHAPE_N)
+                st_global_v2_f32(part + static_cast<uint64_t>(row) * SHAPE_N + col,
+                                 final_acc[w][4 * g + 2 * h], final_acc[w][4 * g + 2 * h + 1]);
+            }
+          }
+        }
+        return;
+      }
       // The previous tile's store must have finished reading smem_d before it is overwritten.
       if constexpr (kHasC) {
         // NOTE: C is read before the barrier below, so its global-memory latency overlaps the
@@ -485,7 +524,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         prev_tile = tile, has_prev = true;
       } else {
         zero_sums();
-        for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+        const uint32_t kb1 = kb_end(tile);
+        for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
           mbar_wait(&full_bar[stage], phase);
           const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll

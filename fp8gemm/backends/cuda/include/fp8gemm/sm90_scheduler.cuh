@@ -26,6 +26,7 @@ struct Tile {
   uint32_t group;
   uint32_t rows;     // rows of the group from m0 (offsets, masked; BLOCK_M or fewer)
   bool full;         // every row the TMA store would write belongs to the tile's group
+  uint32_t split;    // dense split-K: which of the kNumSplits k-ranges (set only when > 1)
 };
 
 // Rows of a contiguous-layout block as a warp sees them: every lane reads BLOCK_M / 32 rows.
@@ -62,8 +63,12 @@ __device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row
 // NOTE: with a 2-CTA cluster the host guarantees an even band size and an even block count on the
 // banded side, so tiles 2j and 2j + 1 always share the multicast operand (dense only).
 // Every method is called by a whole warp (the contiguous layout is read warp-wide).
-template <uint32_t kKind, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize, bool kBandAlongM>
+// kNumSplits (dense only): each tile's K range is split in kNumSplits, each part a work item of
+// its own; the parts of one tile are consecutive items (CTAs b, b + 1, ... of one wave).
+template <uint32_t kKind, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize, bool kBandAlongM,
+          uint32_t kNumSplits = 1>
 struct TileScheduler {
+  static_assert(kKind == kKindDense || kNumSplits == 1, "split-K is a dense schedule");
   uint32_t shape_m;     // rows of A as stored: M, sum M, or Mmax (masked)
   uint32_t num_groups;
   const int32_t* layout;
@@ -83,7 +88,7 @@ struct TileScheduler {
   __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
                                            uint32_t num_groups_)
       : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
-        num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks), next_tile(blockIdx.x),
+        num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks * kNumSplits), next_tile(blockIdx.x),
         group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
         ahead_first(-1), ahead_last(-1), second_pass(false), extra_block(0), extra_group(1),
         extra_last(0), extra_n(0) {
@@ -184,7 +189,8 @@ struct TileScheduler {
     if constexpr (kKind == kKindDense) {
       if (next_tile >= num_tiles) return false;
       uint32_t m_block, n_block;
-      tile_coords(next_tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+      tile_coords(next_tile / kNumSplits, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+      if constexpr (kNumSplits > 1) t.split = next_tile % kNumSplits;
       next_tile += gridDim.x;
       t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
