@@ -297,7 +297,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     auto epilogue = [&](const Tile& t) {
       if constexpr (kNumSplits > 1) {
         // Split-K: this part's FP32 sums to its slice of the workspace, two columns a store
-        // (N % 8 == 0: a pair is in or out).
+        // (N % 8 == 0: a pair is in or out). The barrier stands for the one the bf16 epilogue
+        // opens with: no math thread rewrites smem_sb for the next tile while another still
+        // reads this tile's scales.
+        named_barrier_sync(1, kNumMathThreads);
         float* part = reinterpret_cast<float*>(out) +
                       static_cast<uint64_t>(t.split) * shape_m * SHAPE_N;
         const uint32_t n0 = t.n_block * BLOCK_N + col_in_group;
