@@ -62,6 +62,27 @@ __device__ __forceinline__ uint32_t sa_shift_of(const Tile& t) {
   return kKind == kKindOffsets ? static_cast<uint32_t>(t.sa_m) & 3u : 0u;
 }
 
+// f(w, i, row, col) for each pair of a math thread's FP32 sums that lies inside D [shape_m, SHAPE_N]:
+// final_acc[w][i] and [i + 1] at (row, col) and (row, col + 1), the wgmma D fragment layout of a
+// tile at (m0, n0) for the thread's rows r0 and r0 + 8 of each wave and its column pair col0.
+// (Columns come in pairs and N % 8 == 0: a pair is in or out.)
+template <uint32_t kNumWaves, uint32_t WAVE_M, uint32_t BLOCK_N, uint32_t SHAPE_N, typename F>
+__device__ __forceinline__ void for_each_sum_pair(uint32_t m0, uint32_t n0, uint32_t r0,
+                                                  uint32_t shape_m, F&& f) {
+#pragma unroll
+  for (uint32_t w = 0; w < kNumWaves; ++w) {
+#pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+      const uint32_t row = m0 + w * WAVE_M + r0 + 8 * h;
+#pragma unroll
+      for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+        const uint32_t col = n0 + g * 8;
+        if (row < shape_m && col < SHAPE_N) f(w, 4 * g + 2 * h, row, col);
+      }
+    }
+  }
+}
+
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
           bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits>
@@ -296,51 +317,31 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // --- epilogue: final_acc -> bf16 tile in shared memory -> TMA stores ------------------------
     auto epilogue = [&](const Tile& t) {
       if constexpr (kNumSplits > 1) {
-        // Split-K: this part's FP32 sums to its slice of the workspace, two columns a store
-        // (N % 8 == 0: a pair is in or out). The barrier stands for the one the bf16 epilogue
-        // opens with: no math thread rewrites smem_sb for the next tile while another still
+        // Split-K: this part's FP32 sums to its slice of the workspace, two columns a store.
+        // The barrier stands for the one the bf16 epilogue opens with: no math thread rewrites smem_sb for the next tile while another still
         // reads this tile's scales.
         named_barrier_sync(1, kNumMathThreads);
         float* part = reinterpret_cast<float*>(out) +
                       static_cast<uint64_t>(t.split) * shape_m * SHAPE_N;
-        const uint32_t n0 = t.n_block * BLOCK_N + col_in_group;
-#pragma unroll
-        for (uint32_t w = 0; w < kNumWaves; ++w) {
-#pragma unroll
-          for (uint32_t h = 0; h < 2; ++h) {
-            const uint32_t row = static_cast<uint32_t>(t.m0) + w * WAVE_M + r0 + 8 * h;
-#pragma unroll
-            for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-              const uint32_t col = n0 + g * 8;
-              if (row < shape_m && col < SHAPE_N)
-                st_global_v2_f32(part + static_cast<uint64_t>(row) * SHAPE_N + col,
-                                 final_acc[w][4 * g + 2 * h], final_acc[w][4 * g + 2 * h + 1]);
-            }
-          }
-        }
+        for_each_sum_pair<kNumWaves, WAVE_M, BLOCK_N, SHAPE_N>(
+            static_cast<uint32_t>(t.m0), t.n_block * BLOCK_N + col_in_group, r0, shape_m,
+            [&](uint32_t w, uint32_t i, uint32_t row, uint32_t col) {
+              st_global_v2_f32(part + static_cast<uint64_t>(row) * SHAPE_N + col, final_acc[w][i],
+                               final_acc[w][i + 1]);
+            });
         return;
       }
       // The previous tile's store must have finished reading smem_d before it is overwritten.
       if constexpr (kHasC) {
         // NOTE: C is read before the barrier below, so its global-memory latency overlaps the
-        // wait for the previous store. Columns come in pairs and N % 8 == 0: a pair is in or out.
-        const uint32_t n0 = t.n_block * BLOCK_N + col_in_group;
-#pragma unroll
-        for (uint32_t w = 0; w < kNumWaves; ++w) {
-#pragma unroll
-          for (uint32_t h = 0; h < 2; ++h) {
-            const uint32_t row = static_cast<uint32_t>(t.m0) + w * WAVE_M + r0 + 8 * h;
-            const float* c_row = c + static_cast<uint64_t>(row) * c_stride;
-#pragma unroll
-            for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-              const uint32_t col = n0 + g * 8;
-              if (row < shape_m && col < SHAPE_N) {
-                final_acc[w][4 * g + 2 * h] += __ldg(c_row + col);
-                final_acc[w][4 * g + 2 * h + 1] += __ldg(c_row + col + 1);
-              }
-            }
-          }
-        }
+        // wait for the previous store.
+        for_each_sum_pair<kNumWaves, WAVE_M, BLOCK_N, SHAPE_N>(
+            static_cast<uint32_t>(t.m0), t.n_block * BLOCK_N + col_in_group, r0, shape_m,
+            [&](uint32_t w, uint32_t i, uint32_t row, uint32_t col) {
+              const float* c_row = c + static_cast<uint64_t>(row) * c_stride;
+              final_acc[w][i] += __ldg(c_row + col);
+              final_acc[w][i + 1] += __ldg(c_row + col + 1);
+            });
       }
       if (threadIdx.x == 0) tma_store_wait_read();
       named_barrier_sync(1, kNumMathThreads);
