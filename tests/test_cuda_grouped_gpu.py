@@ -177,7 +177,8 @@ def check_masked(out, a, sa, b, sb, masked_m):
 
 
 @pytest.mark.parametrize("g,mmax,n,k,expected", [(4, 256, 4096, 7168, 256), (32, 64, 7168, 2048, 8),
-                                                 (3, 200, 576, 336, 100), (1, 1024, 4096, 7168, 1024)])
+                                                 (3, 200, 576, 336, 100), (1, 1024, 4096, 7168, 1024),
+                                                 (2, 5, 72, 320, 3)])  # fewer rows than BLOCK_M
 def test_masked(g, mmax, n, k, expected, gpu_device):
     a, sa, b, sb = masked_case(g, mmax, n, k, gpu_device)
     masked_m = torch.randint(0, mmax + 1, (g,), dtype=torch.int32, device=gpu_device)

@@ -366,9 +366,11 @@ class Sm90Plan:
         masked = self.kind is GemmKind.MASKED
         rows = self.groups * m if masked else m  # rows of the 2-D views of A and D
         a2, b_rows = a.view(rows, k), self.groups * n
-        # NOTE: a box of min(BLOCK_M, rows) rows: the kernel expects exactly these bytes per stage.
+        # NOTE: a box of min(BLOCK_M, m) rows, m a group's rows when masked: the kernel expects
+        # exactly these bytes per stage (a taller box over several groups' rows would never
+        # complete the stage's barrier).
         map_a = tm.get(a.dtype, a.data_ptr(), (k, rows), (row_stride(a2) * a.element_size(),),
-                       (BLOCK_K, min(cfg.block_m, rows)), jit.Swizzle.B128)
+                       (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
         map_b = tm.get(b.dtype, b.data_ptr(), (k, b_rows), (k * b.element_size(),),
                        (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
         mp = align(m, 4)  # the A-scale column stride (layout.get_col_major_tma_aligned_tensor)
