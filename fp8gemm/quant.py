@@ -110,11 +110,12 @@ def _triton_kernels(device_index: int):
 
 
 # NOTE: the per-token quantisers (with SiLU*mul too) as a CUDA kernel of the JIT
-# (backends/cuda/quant.py), for host time. On the H200 its GPU tests pass (tests/test_cuda_quant.py),
-# and scripts/quant_bandwidth.py timed both in one run: at 7168x2048 and 2112x7168 it takes
-# 44-46 us of host time per call against Triton's 57-114, but reaches 66 % of a bf16 copy's
-# bandwidth (silu_mul 53 %) against Triton's 82-83 % (67 %). Where the GPU is the bound (CUDA
-# graphs, large batches) that loses more than the host time saves, so the Triton kernels run.
+# (backends/cuda/quant.py), for host time. On the H200 its GPU tests pass
+# (tests/test_cuda_quant.py), and scripts/quant_bandwidth.py timed both in one run: at 7168x2048
+# and 2112x7168 it takes 44-46 us of host time per call against Triton's 57-114, but reaches 66 %
+# of a bf16 copy's bandwidth (silu_mul 53 %) against Triton's 82-83 % (67 %). Where the GPU is
+# the bound (CUDA graphs, large batches) that loses more than the host time saves, so the Triton
+# kernels run.
 CUDA_QUANT = False
 _printed: set[str] = set()
 
