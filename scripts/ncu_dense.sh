@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# Hardware counters of one dense call per shape and impl (fp8gemm.bench's implementations), with
-# Nsight Compute. Clocks are left alone (--clock-control none): the kernels run at the clocks the
-# benchmark sees. Needs a machine whose runtime lets ncu read the counters.
+# Hardware counters of one call per shape and impl (fp8gemm.bench's implementations) of a dense
+# GEMM or a backward one (OP=wgrad, OP=dgrad), with Nsight Compute. Clocks are left alone
+# (--clock-control none): the kernels run at the clocks the benchmark sees. Needs a machine whose
+# runtime lets ncu read the counters.
 #
 #   OUT=/tmp/ncu SHAPES="4096x4096x7168 4096x7168x2048" IMPLS="fp8gemm-cuda cublas-tensor" \
 #       bash scripts/ncu_dense.sh
+#   OP=wgrad SHAPES=2112x7168x4096 IMPLS="fp8gemm-cuda deepgemm cublas-block" \
+#       bash scripts/ncu_dense.sh
+#
+# (deepgemm needs DeepGEMM's checkout on PYTHONPATH: DEEPGEMM_DIR, default .peers/deepgemm.)
 #
 # Per shape and impl: one warm-up call, then the profiled one (the kernels inside an NVTX
-# range); the sections' text goes to $OUT/ncu_<shape>_<impl>.txt, a few headline metrics to stdout.
+# range); the sections' text goes to $OUT/ncu_<op>_<shape>_<impl>.txt, a few headline metrics to
+# stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/ncu_out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FP8GEMM_CACHE_DIR="${FP8GEMM_CACHE_DIR:-/tmp/fp8gemm-cache}"
+DEEPGEMM_DIR="${DEEPGEMM_DIR:-$PWD/.peers/deepgemm}"
+if [[ -d "$DEEPGEMM_DIR/deep_gemm" ]]; then
+    export PYTHONPATH="$PYTHONPATH:$DEEPGEMM_DIR" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dg-cache}"
+fi
+OP="${OP:-dense}"
 SHAPES="${SHAPES:-4096x4096x7168}"
 IMPLS="${IMPLS:-fp8gemm-cuda cublas-tensor}"
 METRICS="sm__cycles_elapsed.avg.per_second,gpu__time_duration.sum,\
@@ -23,17 +34,17 @@ smsp__issue_active.avg.pct_of_peak_sustained_elapsed,\
 smsp__inst_executed.sum,sm__warps_active.avg.per_cycle_active"
 for shape in $SHAPES; do
     for impl in $IMPLS; do
-        tag="${shape}_${impl}"
+        tag="${OP}_${shape}_${impl}"
         timeout 240 ncu --clock-control none --nvtx --nvtx-include "profiled/" --launch-count 4 \
             --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
             --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
             --section SourceCounters --print-details all --metrics "$METRICS" \
-            python3 - "$shape" "$impl" >"$OUT/ncu_$tag.txt" 2>&1 <<'PY'
+            python3 - "$shape" "$impl" "$OP" >"$OUT/ncu_$tag.txt" 2>&1 <<'PY'
 import sys, torch
 from fp8gemm.bench.suites import Case
 from fp8gemm.bench.impls import make_data, make_impl
 m, n, k = (int(v) for v in sys.argv[1].split("x"))
-data = make_data(Case("ncu", "dense", m, n, k), torch.device("cuda"))
+data = make_data(Case("ncu", sys.argv[3], m, n, k), torch.device("cuda"))
 impl = make_impl(sys.argv[2], data)
 torch.cuda.synchronize()
 impl.fn()
