@@ -11,7 +11,7 @@ from .problem import SCALE_BLOCK
 __all__ = ["TMA_ALIGN_BYTES", "CONTIGUOUS_M_ALIGNMENT", "get_tma_aligned_size",
            "get_col_major_tma_aligned_tensor", "is_col_major_tma_aligned",
            "get_m_alignment_for_contiguous_layout", "set_num_sms", "get_num_sms", "num_sms_override",
-           "k_group_columns", "k_groups_on_blocks"]
+           "k_group_columns", "k_groups_on_blocks", "empty_token_scales"]
 
 # NOTE: TMA needs global base addresses and strides that are multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
@@ -40,6 +40,25 @@ def is_col_major_tma_aligned(s: torch.Tensor) -> bool:
     if kb > 1 and s.stride(-1) != mp:
         return False
     return s.dim() == 2 or kb * mp == s.stride(-3) or s.shape[-3] == 1
+
+
+def empty_token_scales(lead: tuple[int, ...], m: int, kb: int, col_major: bool,
+                       device: torch.device) -> torch.Tensor:
+    """An uninitialised float32 [*lead, M, kb] for per-token scales: column-major with each
+    column padded to 16 bytes (the layout is_col_major_tma_aligned accepts) when col_major, else
+    row-major. One allocation with its strides (this runs on every quantisation)."""
+    if not col_major:
+        return torch.empty((*lead, m, kb), dtype=torch.float32, device=device)
+    mp = get_tma_aligned_size(m, 4)
+    strides, step = [], kb * mp
+    for d in reversed(lead):
+        strides.append(step)
+        step *= d
+    # NOTE: the padded rows are allocated too (a reader may address whole 16-byte columns,
+    # e.g. a TMA box over mp rows), and cut off by a view only when there are any.
+    s = torch.empty_strided((*lead, mp, kb), (*reversed(strides), 1, mp), dtype=torch.float32,
+                            device=device)
+    return s if mp == m else s[..., :m, :]
 
 
 def get_col_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,9 @@ def test_every_instance_compiles_clean(tmp_path, monkeypatch):
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's wheel)")
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    for dtype, fmt, silu, pow2 in cq.VARIANTS:
-        what = f"{dtype} {fmt} silu={silu} pow2={pow2}"
-        compiled = cq.compile_kernel(dtype, fmt, silu, pow2)[1]
+    for dtype, fmt, silu, pow2, rows_first in cq.VARIANTS:
+        what = f"{dtype} {fmt} silu={silu} pow2={pow2} rows_first={rows_first}"
+        compiled = cq.compile_kernel(dtype, fmt, silu, pow2, rows_first)[1]
         path = tmp_path / "k.cubin"
         path.write_bytes(compiled.cubin)
         sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout

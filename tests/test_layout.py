@@ -135,3 +135,19 @@ def test_k_group_columns_keep_stray_values_inside():
     long = k_group_columns(torch.tensor([-4, 100, 500], dtype=torch.int32), 300, 2).tolist()
     assert long[:100] == list(range(100)) and long[100:228] == list(range(128, 256))
     assert set(long[228:]) == {spare}
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_empty_token_scales_layouts(lead):
+    """Column-major: the strides, and the storage, of columns padded to 16 bytes (what
+    get_col_major_tma_aligned_tensor returns as it is); row-major: contiguous."""
+    for m in (1, 5, 37, 64):
+        for kb in (1, 3):
+            s = layout.empty_token_scales(lead, m, kb, True, torch.device("cpu"))
+            mp = layout.get_tma_aligned_size(m, 4)
+            assert s.shape == (*lead, m, kb) and s.dtype == torch.float32
+            assert s.stride()[-2:] == (1, mp) and layout.is_col_major_tma_aligned(s)
+            assert layout.get_col_major_tma_aligned_tensor(s) is s
+            assert s.untyped_storage().nbytes() == 4 * kb * mp * (torch.Size(lead).numel())
+            r = layout.empty_token_scales(lead, m, kb, False, torch.device("cpu"))
+            assert r.shape == (*lead, m, kb) and r.is_contiguous()

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layout import get_tma_aligned_size
+from ...layout import empty_token_scales
 from ...problem import SCALE_BLOCK, ceil_div
 
 __all__ = ["quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token",
@@ -193,16 +193,6 @@ def _batch_slices(batch: int):
         yield slice(lo, min(batch, lo + _MAX_GRID_Z))
 
 
-def _token_scales(lead, m: int, kb: int, col_major: bool, device) -> torch.Tensor:
-    if col_major:
-        # NOTE: [..., M, kb] with the M stride 1 and each K block's column padded to 16 bytes:
-        # the layout a TMA load of A scales needs (fp8gemm.layout.is_col_major_tma_aligned).
-        buf = torch.empty((*lead, kb, get_tma_aligned_size(m, 4)), dtype=torch.float32,
-                          device=device)
-        return buf[..., :m].transpose(-1, -2)
-    return torch.empty((*lead, m, kb), dtype=torch.float32, device=device)
-
-
 def _k_offsets_fit(x: torch.Tensor) -> bool:
     """Whether the kernels' 32-bit offsets along K (k * stride) reach all of x's last dim.
     NOTE: row and batch offsets are 64-bit; K offsets pass 2^31 only for a view whose last dim
@@ -217,7 +207,7 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
     lead, m = tuple(x.shape[:-2]), x.shape[-2]
     kb = ceil_div(k, SCALE_BLOCK)
     q = torch.empty((*lead, m, k), dtype=dtype, device=x.device)
-    s = _token_scales(lead, m, kb, col_major_scales, x.device)
+    s = empty_token_scales(lead, m, kb, col_major_scales, x.device)
     if q.numel() == 0:
         return q, s
     x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
@@ -314,7 +304,7 @@ def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
     lead, (t, c) = tuple(x.shape[:-2]), x.shape[-2:]
     kb = ceil_div(t, SCALE_BLOCK)
     q = torch.empty((*lead, c, t), dtype=dtype, device=x.device)
-    s = _token_scales(lead, c, kb, col_major_scales, x.device)
+    s = empty_token_scales(lead, c, kb, col_major_scales, x.device)
     if q.numel() == 0:
         return q, s
     x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)

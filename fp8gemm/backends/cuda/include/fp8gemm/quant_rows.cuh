@@ -10,9 +10,11 @@
 //
 // Work: a half-warp per (row, group); each lane holds 8 consecutive elements (16 bytes of bf16),
 // the 16 lanes exchange their maxima by shuffles, and each stores its 8 FP8 values (8 bytes).
-// A CTA of kThreads takes kItems groups per thread in turns, its half-warps on consecutive groups
-// of one row first (coalesced). The host needs K (and inter) % 8 == 0, row strides % 8 == 0 and
-// 16-byte aligned bases.
+// A CTA of kThreads takes kItems groups per thread in turns. Its half-warps take consecutive
+// items: with kRowsFirst (column-major scales) the same group of consecutive rows, so that their
+// scales land side by side; else consecutive groups of one row (row-major scales). Either way
+// each half-warp reads 16-byte vectors of one row's group and writes one 128-byte run of q.
+// The host needs K (and inter) % 8 == 0, row strides % 8 == 0 and 16-byte aligned bases.
 #pragma once
 
 #include "sm90_utils.cuh"
@@ -89,7 +91,19 @@ __device__ __forceinline__ float quant_scale(float amax, float fmt_max) {
   return ratio;
 }
 
-template <uint32_t kIn, bool kE5M2, bool kSiluMul, bool kPow2, uint32_t kThreads, uint32_t kItems>
+// (row, group) of work item `item` (see above).
+template <bool kRowsFirst>
+__device__ __forceinline__ void quant_item(uint32_t item, uint32_t m_rows, uint32_t groups,
+                                           uint32_t& row, uint32_t& group) {
+  if constexpr (kRowsFirst) {
+    row = item % m_rows, group = item / m_rows;
+  } else {
+    row = item / groups, group = item % groups;
+  }
+}
+
+template <uint32_t kIn, bool kE5M2, bool kSiluMul, bool kPow2, bool kRowsFirst, uint32_t kThreads,
+          uint32_t kItems>
 __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
     const void* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, uint32_t m_rows,
     uint32_t k, uint32_t inter, uint64_t x_row, uint64_t x_batch, uint64_t q_batch,
@@ -113,13 +127,14 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
 #pragma unroll
   for (uint32_t it = 0; it < kItems; ++it) {
     const uint32_t item = first + it * kGroupsPerCta;
-    const uint64_t row = item / groups;
-    const uint32_t col = (item % groups) * kQuantGroup + lane * 8;
+    uint32_t row, group;
+    quant_item<kRowsFirst>(item, m_rows, groups, row, group);
+    const uint32_t col = group * kQuantGroup + lane * 8;
     live[it] = item < items && col < k;
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[it][i] = 0.0f;
     if (live[it]) {
-      const char* p = xb + (row * x_row + col) * kInBytes;
+      const char* p = xb + (static_cast<uint64_t>(row) * x_row + col) * kInBytes;
       quant_load8<kIn>(p, v[it]);
       if constexpr (kSiluMul) {
         float up[8];
@@ -141,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
     }
     if (item >= items) continue;  // (after the shuffles, which every lane joins)
     const float scale = quant_scale<kPow2>(amax, kFmtMax);
-    const uint64_t row = item / groups;
-    const uint32_t group = item % groups;
+    uint32_t row, group;
+    quant_item<kRowsFirst>(item, m_rows, groups, row, group);
     if (live[it]) {
       // NOTE: no clamp before the cast: satfinite saturates what lies beyond the format's
       // largest value (infinities included) and keeps NaN, as torch's clamp and cast do.
@@ -155,10 +170,10 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
         packed[i] = quant_pack_fp8x2<kE5M2>(f[0], f[1]) |
                     (quant_pack_fp8x2<kE5M2>(f[2], f[3]) << 16);
       }
-      uint8_t* dst = qb + row * k + group * kQuantGroup + lane * 8;
+      uint8_t* dst = qb + static_cast<uint64_t>(row) * k + group * kQuantGroup + lane * 8;
       asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(dst), "r"(packed[0]), "r"(packed[1]));
     }
-    if (lane == 0) sb[row * s_row + group * s_group] = scale;
+    if (lane == 0) sb[static_cast<uint64_t>(row) * s_row + group * s_group] = scale;
   }
 }
 
