@@ -35,7 +35,8 @@ AWKWARD = [(1, 576, 320), (37, 200, 1000), (64, 131, 128), (130, 576, 7), (257, 
 # Tiles the GPU test `test_other_tiles` forces (N = 1000), with one accumulator or two: one math
 # warpgroup, the widest of each height, the narrowest wgmma, a width that is not a multiple of 32.
 FORCED_TILES = [(64, 16, False), (64, 192, False), (128, 8, False), (128, 176, False),
-                (128, 136, False), (128, 128, True), (64, 128, True), (128, 8, True)]
+                (128, 136, False), (128, 128, True), (64, 128, True), (128, 8, True),
+                (256, 120, False), (256, 64, False)]  # two waves of rows per k-block
 FORCED_N = 1000
 
 
@@ -303,6 +304,28 @@ def test_one_past_the_widest_tile_spills(tmp_path, monkeypatch):
         assert max(spills) > 0, f"{cfg} compiles clean: widen BLOCK_N_CHOICES"
 
 
+def test_tall_tiles_compile_clean_up_to_the_stated_width(tmp_path, monkeypatch):
+    """BLOCK_M = 256 (two waves of rows per k-block): the widest of TALL_BLOCK_N_CHOICES compiles
+    clean dense and k-grouped, e4m3 and e5m2; one step wider spills (the stated register
+    budget)."""
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    bn = g.TALL_BLOCK_N_CHOICES[-1]
+    cfg = g.Sm90Config1d1d(256, bn, g.max_stages(256, bn, H200.smem_per_block), g.BAND_SIZE, 132)
+    for k_grouped in (False, True):
+        for e5m2 in (False, True):
+            compiled = g.compile_kernel(7168, cfg, k_grouped, a_e5m2=e5m2)[1]
+            _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped={k_grouped} e5m2={e5m2} {cfg}")
+    wider = g.Sm90Config1d1d(256, bn + 8, g.max_stages(256, bn + 8, H200.smem_per_block),
+                             g.BAND_SIZE, 132)
+    log = g.compile_kernel(7168, wider)[1].log
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    if not spills:
+        pytest.skip("this compiler's log has no ptxas report")
+    assert max(spills) > 0, f"{wider} compiles clean: widen TALL_BLOCK_N_CHOICES"
+
+
 def test_one_past_the_widest_two_accum_tile_spills(tmp_path, monkeypatch):
     """TWO_ACCUM_MAX_BLOCK_N stops where ptxas starts spilling at both heights (the k-grouped walk,
     which keeps a few more registers live than the dense one)."""
@@ -548,6 +571,38 @@ def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
         assert all((out[i] == 0).all() for i, k in enumerate(ks) if k == 0)
     if c_mode == "alias":  # a group of nothing leaves its slice of out untouched, bit for bit
         assert all(torch.equal(out[i], c[i]) for i, k in enumerate(ks) if k == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_mode", ["none", "separate", "alias"])
+def test_tall_tiles(c_mode, gpu_device):
+    """BLOCK_M = 256 (two waves of rows per k-block), forced: dense with M tails in either wave
+    (300 rows: the second block's second wave has none; 1000: 232 rows) and the k-grouped kernel
+    accumulating in place."""
+    cfg = g.Sm90Config1d1d(256, 120, g.max_stages(256, 120, H200.smem_per_block), g.BAND_SIZE,
+                           132)
+    for m, n, k in ((300, 1000, 1100), (1000, 360, 4096)):
+        a, sa, b, sb = _operands(m, n, k, gpu_device)
+        c = torch.randn(m, n, device=gpu_device) * 64
+        if c_mode == "alias":
+            out = c.clone()
+            _run(a, sa, b, sb, out, out, cfg)
+        else:
+            out = poisoned((m, n), torch.float32, gpu_device)
+            _run(a, sa, b, sb, out, c if c_mode == "separate" else None, cfg)
+        ref = _reference(a, sa, b, sb, None if c_mode == "none" else c)
+        assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} c={c_mode} {cfg}")
+    if c_mode != "alias":
+        return
+    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
+    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
+    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
+    out = c.clone()
+    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
+    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
+    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
+                      f"k-grouped {m}x{n} ks={ks} {cfg}")
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from .sm90_fp8_gemm_1d2d import BAND_SIZE, LOAD_WEIGHT, MIN_STAGES, mma_efficien
 __all__ = ["Sm90Config1d1d", "Sm90Fp8Gemm1d1d", "Sm90KGroupedFp8Gemm1d1d", "DENSE", "K_GROUPED",
            "smem_bytes", "max_stages",
            "num_threads", "tile_cost", "candidate_tiles", "kernel_source", "compile_kernel",
-           "BLOCK_K", "BLOCK_M_CHOICES", "BLOCK_N_CHOICES", "launcher"]
+           "BLOCK_K", "BLOCK_M_CHOICES", "BLOCK_N_CHOICES", "TALL_BLOCK_N_CHOICES", "launcher"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 # NOTE: one k-block is one scale block of both operands: partial sums are promoted every 128 of K.
@@ -43,6 +43,15 @@ BLOCK_M_CHOICES = (64, 128)
 BLOCK_N_CHOICES = {128: tuple(range(16, 177, 8)), 64: tuple(range(16, 193, 8))}
 # The k-grouped walk keeps a few more registers live: 64x192 spills 12 bytes there, 64x184 none.
 K_GROUPED_BLOCK_N_CHOICES = {128: BLOCK_N_CHOICES[128], 64: tuple(range(16, 185, 8))}
+# NOTE: BLOCK_M = 256 runs two waves of 128 rows per k-block through the one accumulator (as the
+# 1D2D family's 256-row tiles): a k-block's loads feed twice the FLOPs of 128 rows (256x120 reads
+# 6.1 bytes of A and B per 1000 FLOPs, 128x128 7.8). Each thread then holds both waves' FP32 sums,
+# the accumulator and the B scales: 256x120 is the widest tile ptxas compiles without spills,
+# dense and k-grouped (256x128 spills 8 and 40 bytes). The heuristic does not offer them
+# (BLOCK_M_CHOICES) until the H200 has timed them against its tiles (scripts/cuda_tiles.py
+# --family sm90_fp8_gemm_1d1d --kind wgrad --variants base,block_m=256+block_n=120); a config may
+# ask for one.
+TALL_BLOCK_N_CHOICES = tuple(range(16, 121, 8))
 MAX_STAGES = 8
 # NOTE: two accumulators (the next k-block's wgmma issued before the wait for this one, so the
 # tensor cores run while a k-block is promoted) add BLOCK_N/2 registers: the widest tiles ptxas

@@ -13,8 +13,10 @@
 //   zero, and its scales are columns s_g.. of sa and sb (the host pads A and B so when the
 //   groups' K are not all multiples of 128). A group with K_g = 0 writes c[g] (or zeros).
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
-// (BLOCK_M = 128) math warpgroups through a ring of kNumStages shared-memory stages; every stage
-// carries its k-block of A and B and their scales (BLOCK_M and BLOCK_N floats).
+// (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages; every
+// stage carries its k-block of A and B and their scales (BLOCK_M and BLOCK_N floats). BLOCK_M =
+// 256 runs as two waves of 128 rows per k-block through the one accumulator, as the 1D2D kernel's
+// does: only the FP32 sums double, and a k-block's loads feed twice the FLOPs of 128 rows.
 #pragma once
 
 #include "sm90_utils.cuh"
@@ -27,6 +29,8 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
 struct Sm90Fp8Gemm1d1dLayout {
   static constexpr uint32_t BLOCK_K = 128;
   static constexpr uint32_t kNumMathThreads = BLOCK_M == 64 ? 128 : 256;
+  static constexpr uint32_t WAVE_M = kNumMathThreads / 128 * 64;  // rows of one wgmma wave
+  static constexpr uint32_t kNumWaves = BLOCK_M / WAVE_M;
   // NOTE: TMA writes shared memory at 128-byte aligned addresses: a stage's scales take a
   // multiple of 32 floats.
   static constexpr uint32_t kSaStage = ceil_div(BLOCK_M, 32u) * 32;  // floats per stage
@@ -120,6 +124,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   constexpr uint32_t WGMMA_M = 64;
   constexpr uint32_t kNumMathThreads = Layout::kNumMathThreads;
   constexpr uint32_t kNumMathWarps = kNumMathThreads / 32;
+  constexpr uint32_t WAVE_M = Layout::WAVE_M, kNumWaves = Layout::kNumWaves;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
   constexpr uint32_t kNumKSteps = BLOCK_K / 32;
@@ -131,7 +136,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
 
   // --- static checks ----------------------------------------------------------------------------
-  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups of 64 rows each");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
+                "one or two math warpgroups of 64 rows each, in one or two waves");
+  static_assert(!kTwoAccum || kNumWaves == 1, "two accumulators take one wave of rows");
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   static_assert(kNumStages >= 2, "at least double buffering");
@@ -218,8 +225,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     // --- consumers: wgmma per k-block, promotion with sa[row] * sb[col], epilogue ---------------
     warpgroup_reg_alloc<kMathRegs>();
     const uint32_t warp_in_wg = (threadIdx.x / 32) % 4;
-    // This thread's accumulator rows are r0 and r0 + 8, its columns col_in_group and
-    // col_in_group + 1 of every 8-column group (wgmma D fragment layout).
+    // This thread's accumulator rows are r0 and r0 + 8 of each wave, its columns col_in_group
+    // and col_in_group + 1 of every 8-column group (wgmma D fragment layout).
     const uint32_t r0 = warpgroup * WGMMA_M + warp_in_wg * 16 + lane / 4;
     const uint32_t col_in_group = (lane % 4) * 2;
     const float* sa_rows = smem_sa + r0;
@@ -230,7 +237,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     const uint64_t desc_a0 = make_smem_desc_sw128(smem_a + warpgroup * WGMMA_M * BLOCK_K);
     const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
     uint32_t stage = 0, phase = 0;
-    float acc[kNumAccum], final_acc[kNumAccum];
+    float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
     const bool in_place = c == out;
 
     while (scheduler.next(tile)) {
@@ -241,13 +248,15 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // c == out (the weight gradient accumulated in place): nothing to add or write.
       if (in_place && tile.num_kb == 0) continue;
 #pragma unroll
-      for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] = 0.0f;
+      for (uint32_t w = 0; w < kNumWaves; ++w)
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
-      // The wgmma of one k-block into `acc_`, on stage `stage_`; each k-step of 32 bytes moves
-      // the descriptors' start address by 32 >> 4 = 2, the first starts a fresh partial sum
-      // (one scale block per k-block).
-      auto issue = [&](float (&acc_)[kNumAccum], uint32_t stage_) {
-        const uint64_t desc_a = desc_a0 + stage_ * (Layout::SMEM_A / 16);
+      // The wgmma of one k-block for wave w into `acc_`, on stage `stage_`; each k-step of 32
+      // bytes moves the descriptors' start address by 32 >> 4 = 2, the first starts a fresh
+      // partial sum (one scale block per k-block).
+      auto issue = [&](float (&acc_)[kNumAccum], uint32_t stage_, uint32_t w) {
+        const uint64_t desc_a = desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16);
         const uint64_t desc_b = desc_b0 + stage_ * (Layout::SMEM_B / 16);
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
@@ -265,17 +274,17 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       };
       // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
       // K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col].
-      auto promote = [&](float (&acc_)[kNumAccum], float sa0, float sa1,
+      auto promote = [&](float (&fin)[kNumAccum], float (&acc_)[kNumAccum], float sa0, float sa1,
                          const Float2 (&sb_)[kNumColGroups]) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g) {
           const Float2 sb = sb_[g];
-          final_acc[4 * g + 0] = fmaf(acc_[4 * g + 0], sa0 * sb.x, final_acc[4 * g + 0]);
-          final_acc[4 * g + 1] = fmaf(acc_[4 * g + 1], sa0 * sb.y, final_acc[4 * g + 1]);
-          final_acc[4 * g + 2] = fmaf(acc_[4 * g + 2], sa1 * sb.x, final_acc[4 * g + 2]);
-          final_acc[4 * g + 3] = fmaf(acc_[4 * g + 3], sa1 * sb.y, final_acc[4 * g + 3]);
+          fin[4 * g + 0] = fmaf(acc_[4 * g + 0], sa0 * sb.x, fin[4 * g + 0]);
+          fin[4 * g + 1] = fmaf(acc_[4 * g + 1], sa0 * sb.y, fin[4 * g + 1]);
+          fin[4 * g + 2] = fmaf(acc_[4 * g + 2], sa1 * sb.x, fin[4 * g + 2]);
+          fin[4 * g + 3] = fmaf(acc_[4 * g + 3], sa1 * sb.y, fin[4 * g + 3]);
         }
       };
       // The stage is free once this warp's wgmma and scale reads are done.
@@ -301,14 +310,14 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         for (; i + kKChunk <= tile.num_kb; i += kKChunk) {
           uint32_t held[2];
           held[0] = take();
-          issue(acc, held[0]);
+          issue(acc, held[0], 0);
 #pragma unroll
           for (uint32_t j = 0; j < kKChunk; ++j) {
             float (&cur)[kNumAccum] = j % 2 == 0 ? acc : acc1;
             float (&nxt)[kNumAccum] = j % 2 == 0 ? acc1 : acc;
             if (j + 1 < kKChunk) {
               held[(j + 1) % 2] = take();
-              issue(nxt, held[(j + 1) % 2]);
+              issue(nxt, held[(j + 1) % 2], 0);
               wgmma_wait<1>();
             } else {
               wgmma_wait<0>();
@@ -318,24 +327,31 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             Float2 sb[kNumColGroups];
 #pragma unroll
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
-            promote(cur, sa_rows[s * Layout::kSaStage], sa_rows[s * Layout::kSaStage + 8], sb);
+            promote(final_acc[0], cur, sa_rows[s * Layout::kSaStage],
+                    sa_rows[s * Layout::kSaStage + 8], sb);
             release(s);
           }
         }
       }
       for (; i < tile.num_kb; ++i) {
         const uint32_t s = take();
-        issue(acc, s);
         // NOTE: with one accumulator the scales are read while the wgmma runs, off the critical
-        // path, and the stage is released before the promotion.
-        const float sa0 = sa_rows[s * Layout::kSaStage];
-        const float sa1 = sa_rows[s * Layout::kSaStage + 8];
+        // path (the B scales once, for every wave), and the stage is released before the last
+        // wave's promotion.
         Float2 sb[kNumColGroups];
 #pragma unroll
-        for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
-        wgmma_wait<0>();
-        release(s);
-        promote(acc, sa0, sa1, sb);
+        for (uint32_t w = 0; w < kNumWaves; ++w) {
+          issue(acc, s, w);
+          const float sa0 = sa_rows[s * Layout::kSaStage + w * WAVE_M];
+          const float sa1 = sa_rows[s * Layout::kSaStage + w * WAVE_M + 8];
+          if (w == 0) {
+#pragma unroll
+            for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
+          }
+          wgmma_wait<0>();
+          if (w + 1 == kNumWaves) release(s);
+          promote(final_acc[w], acc, sa0, sa1, sb);
+        }
       }
 
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
@@ -351,52 +367,56 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       // flushes subnormals to zero.
       // NOTE: c is read in a pass of its own before the stores: the compiler cannot move a load
       // of c above a store to out (it cannot rule out that they alias), so one fused pass would
-      // wait for each load in turn.
-      if (c != nullptr && !in_place) {
-        const bool c_v2 = SHAPE_N % 2 == 0 && reinterpret_cast<uint64_t>(c) % 8 == 0;
+      // wait for each load in turn. (With two waves, per wave: the accumulator registers that
+      // take c hold one wave's tile.)
+#pragma unroll
+      for (uint32_t w = 0; w < kNumWaves; ++w) {
+        if (c != nullptr && !in_place) {
+          const bool c_v2 = SHAPE_N % 2 == 0 && reinterpret_cast<uint64_t>(c) % 8 == 0;
+#pragma unroll
+          for (uint32_t g = 0; g < kNumColGroups; ++g) {
+            const uint32_t col = col0 + g * 8;
+#pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+              const uint32_t row = row0 + w * WAVE_M + h * 8;
+              const bool ok = row < shape_m && col < SHAPE_N;
+              const float* src = c + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
+              float& v0 = acc[4 * g + 2 * h + 0];
+              float& v1 = acc[4 * g + 2 * h + 1];
+              v0 = v1 = 0.0f;
+              if (ok && c_v2) {
+                asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v0), "=f"(v1) : "l"(src));
+              } else if (ok) {
+                v0 = src[0];
+                if (col + 1 < SHAPE_N) v1 = src[1];
+              }
+            }
+          }
+#pragma unroll
+          for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] += acc[i];
+        }
 #pragma unroll
         for (uint32_t g = 0; g < kNumColGroups; ++g) {
           const uint32_t col = col0 + g * 8;
 #pragma unroll
           for (uint32_t h = 0; h < 2; ++h) {
-            const uint32_t row = row0 + h * 8;
-            const bool ok = row < shape_m && col < SHAPE_N;
-            const float* src = c + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
-            float& v0 = acc[4 * g + 2 * h + 0];
-            float& v1 = acc[4 * g + 2 * h + 1];
-            v0 = v1 = 0.0f;
-            if (ok && c_v2) {
-              asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v0), "=f"(v1) : "l"(src));
-            } else if (ok) {
-              v0 = src[0];
-              if (col + 1 < SHAPE_N) v1 = src[1];
+            const uint32_t row = row0 + w * WAVE_M + h * 8;
+            if (row >= shape_m || col >= SHAPE_N) continue;
+            float* dst = out + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
+            const float v0 = final_acc[w][4 * g + 2 * h + 0], v1 = final_acc[w][4 * g + 2 * h + 1];
+            if constexpr (SHAPE_N % 2 == 0) {
+              // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
+              if (in_place)
+                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+              else
+                asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+            } else if (in_place) {
+              asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v0) : "memory");
+              if (col + 1 < SHAPE_N) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v1) : "memory");
+            } else {
+              dst[0] = v0;
+              if (col + 1 < SHAPE_N) dst[1] = v1;
             }
-          }
-        }
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[i] += acc[i];
-      }
-#pragma unroll
-      for (uint32_t g = 0; g < kNumColGroups; ++g) {
-        const uint32_t col = col0 + g * 8;
-#pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-          const uint32_t row = row0 + h * 8;
-          if (row >= shape_m || col >= SHAPE_N) continue;
-          float* dst = out + group_off + static_cast<uint64_t>(row) * SHAPE_N + col;
-          const float v0 = final_acc[4 * g + 2 * h + 0], v1 = final_acc[4 * g + 2 * h + 1];
-          if constexpr (SHAPE_N % 2 == 0) {
-            // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
-            if (in_place)
-              asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
-            else
-              asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
-          } else if (in_place) {
-            asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v0) : "memory");
-            if (col + 1 < SHAPE_N) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v1) : "memory");
-          } else {
-            dst[0] = v0;
-            if (col + 1 < SHAPE_N) dst[1] = v1;
           }
         }
       }
