@@ -13,6 +13,7 @@ directly in the column-major, TMA-aligned layout the GEMMs read: shape [M, ceil(
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -161,12 +162,19 @@ def _fmt(fmt: str) -> torch.dtype:
     return _FORMATS[fmt]
 
 
+# NOTE: read once, as triton.jit reads it when the kernels below are defined: the interpreter
+# (software rounding) or compiled kernels for the whole process.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
 def _fmt_meta(dtype: torch.dtype) -> dict:
     """Constexprs of the FP8 format: its max, and for the interpreter's software rounding the
-    mantissa bits and the smallest normal exponent."""
+    mantissa bits and the smallest normal exponent (cached: this runs on every launch; callers
+    never change the dict)."""
     mant, min_exp = (3, -6) if dtype is torch.float8_e4m3fn else (2, -14)
-    return dict(FMT_MAX=torch.finfo(dtype).max, SOFT_ROUND=os.environ.get("TRITON_INTERPRET") == "1",
-                MANT_BITS=mant, MIN_EXP=min_exp)
+    return dict(FMT_MAX=torch.finfo(dtype).max, SOFT_ROUND=_INTERPRET, MANT_BITS=mant,
+                MIN_EXP=min_exp)
 
 
 def _check_input(name: str, x: torch.Tensor) -> None:
@@ -210,19 +218,22 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
     s = empty_token_scales(lead, m, kb, col_major_scales, x.device)
     if q.numel() == 0:
         return q, s
-    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
     # NOTE: a transposed view (K strided, the rows contiguous) reads each tile column as BLOCK_M
     # contiguous elements: 64 rows make those 128-byte lines. On the H200 against a bf16 copy at
     # 4096x7168, x^T: 77 % of its bandwidth with 64 rows, 74 % with 32; x itself 82 % either way.
-    block_m = 64 if x3.stride(-1) != 1 else 32
-    meta = _fmt_meta(dtype)
+    block_m = 64 if x.stride(-1) != 1 else 32
+    consts = dict(SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **_fmt_meta(dtype),
+                  BLOCK_M=block_m, GROUP_K=SCALE_BLOCK, num_warps=4)
+    if x.dim() == 2:  # one matrix, the batch stride unused: no 3-D views (every activation)
+        xs, ss = x.stride(), s.stride()
+        _quant_rows_kernel[(ceil_div(m, block_m), kb, 1)](
+            x, q, s, m, k, silu_i, 0, xs[0], xs[1], 0, k, 0, ss[0], ss[1], **consts)
+        return q, s
+    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
     for bs in _batch_slices(x3.shape[0]):
         xb, qb, sb = x3[bs], q3[bs], s3[bs]
         _quant_rows_kernel[(ceil_div(m, block_m), kb, xb.shape[0])](
-            xb, qb, sb, m, k, silu_i, xb.stride(0), xb.stride(1), xb.stride(2), qb.stride(0),
-            qb.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
-            SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **meta,
-            BLOCK_M=block_m, GROUP_K=SCALE_BLOCK, num_warps=4)
+            xb, qb, sb, m, k, silu_i, *xb.stride(), *qb.stride()[:2], *sb.stride(), **consts)
     return q, s
 
 
