@@ -196,9 +196,19 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
 _MAX_GRID_Z = 65535
 
 
-def _batch_slices(batch: int):
+def _batches(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+    """Per launch: (x, q, s, matrices, and the strides of each as [B, R, C]). 2-D tensors go as
+    they are with a batch stride of 0 (no views: this runs on every activation quantisation);
+    more dims as [B, R, C] views, in slices of at most _MAX_GRID_Z matrices."""
+    if x.dim() == 2:
+        yield x, q, s, 1, (0, *x.stride()), (0, *q.stride()), (0, *s.stride())
+        return
+    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
+    batch = x3.shape[0]
     for lo in range(0, batch, _MAX_GRID_Z):
-        yield slice(lo, min(batch, lo + _MAX_GRID_Z))
+        bs = slice(lo, min(batch, lo + _MAX_GRID_Z))
+        xb, qb, sb = x3[bs], q3[bs], s3[bs]
+        yield xb, qb, sb, xb.shape[0], xb.stride(), qb.stride(), sb.stride()
 
 
 def _k_offsets_fit(x: torch.Tensor) -> bool:
@@ -222,18 +232,11 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
     # contiguous elements: 64 rows make those 128-byte lines. On the H200 against a bf16 copy at
     # 4096x7168, x^T: 77 % of its bandwidth with 64 rows, 74 % with 32; x itself 82 % either way.
     block_m = 64 if x.stride(-1) != 1 else 32
-    consts = dict(SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **_fmt_meta(dtype),
-                  BLOCK_M=block_m, GROUP_K=SCALE_BLOCK, num_warps=4)
-    if x.dim() == 2:  # one matrix, the batch stride unused: no 3-D views (every activation)
-        xs, ss = x.stride(), s.stride()
-        _quant_rows_kernel[(ceil_div(m, block_m), kb, 1)](
-            x, q, s, m, k, silu_i, 0, xs[0], xs[1], 0, k, 0, ss[0], ss[1], **consts)
-        return q, s
-    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
-    for bs in _batch_slices(x3.shape[0]):
-        xb, qb, sb = x3[bs], q3[bs], s3[bs]
-        _quant_rows_kernel[(ceil_div(m, block_m), kb, xb.shape[0])](
-            xb, qb, sb, m, k, silu_i, *xb.stride(), *qb.stride()[:2], *sb.stride(), **consts)
+    for xb, qb, sb, batch, xs, qs, ss in _batches(x, q, s):
+        _quant_rows_kernel[(ceil_div(m, block_m), kb, batch)](
+            xb, qb, sb, m, k, silu_i, *xs, *qs[:2], *ss, SILU_MUL=silu_i > 0,
+            POW2=bool(pow2_scales), **_fmt_meta(dtype), BLOCK_M=block_m, GROUP_K=SCALE_BLOCK,
+            num_warps=4)
     return q, s
 
 
@@ -284,21 +287,17 @@ def _block_launch(w, fmt, pow2_scales, transpose: bool):
                     device=w.device)
     if q.numel() == 0:
         return q, s
-    w3, q3, s3 = _as_3d(w), _as_3d(q), _as_3d(s)
-    meta = _fmt_meta(dtype)
     # NOTE: a block is read along the rows of w, where its lines are contiguous, also for the
     # transposed result (whose block then goes through shared memory): on the H200 against a
     # bf16 copy at 4096x7168, w^T quantised so ran at 84 % of its bandwidth, read through a
     # transposed view 56-72 %. A view with K strided (a transposed weight) reads less well with
     # 8 warps a block than with 4 (72 % against 56 % at 4096x7168).
-    warps = 4 if transpose or w3.stride(-1) != 1 else 8
-    s_n, s_k = (s3.stride(2), s3.stride(1)) if transpose else (s3.stride(1), s3.stride(2))
-    for bs in _batch_slices(w3.shape[0]):
-        wb, qb, sb = w3[bs], q3[bs], s3[bs]
-        _quant_block_kernel[(nb, kb, wb.shape[0])](
-            wb, qb, sb, n, k, wb.stride(0), wb.stride(1), wb.stride(2), qb.stride(0), qb.stride(1),
-            sb.stride(0), s_n, s_k, POW2=bool(pow2_scales), BLOCK=SCALE_BLOCK,
-            TRANSPOSE=transpose, num_warps=warps, **meta)
+    warps = 4 if transpose or w.stride(-1) != 1 else 8
+    for wb, qb, sb, batch, ws, qs, ss in _batches(w, q, s):
+        s_n, s_k = (ss[2], ss[1]) if transpose else (ss[1], ss[2])
+        _quant_block_kernel[(nb, kb, batch)](
+            wb, qb, sb, n, k, *ws, *qs[:2], ss[0], s_n, s_k, POW2=bool(pow2_scales),
+            BLOCK=SCALE_BLOCK, TRANSPOSE=transpose, num_warps=warps, **_fmt_meta(dtype))
     return q, s
 
 
@@ -318,17 +317,13 @@ def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
     s = empty_token_scales(lead, c, kb, col_major_scales, x.device)
     if q.numel() == 0:
         return q, s
-    x3, q3, s3 = _as_3d(x), _as_3d(q), _as_3d(s)
     # NOTE: [128 tokens, 64 channels] tiles, 4 warps: on the H200 against a bf16 copy, 83 % of
     # its bandwidth at 4096x7168 and 79 % at 7168x2048 (32 channels 76 %, 128 channels 68 %,
     # 8 warps 55-65 %); the quantised tile is transposed in shared memory as fp8.
     block_c = 64
-    meta = _fmt_meta(dtype)
-    for bs in _batch_slices(x3.shape[0]):
-        xb, qb, sb = x3[bs], q3[bs], s3[bs]
-        _quant_cols_kernel[(ceil_div(c, block_c), kb, xb.shape[0])](
-            xb, qb, sb, t, c, xb.stride(0), xb.stride(1), xb.stride(2), qb.stride(0), qb.stride(1),
-            sb.stride(0), sb.stride(1), sb.stride(2), POW2=bool(pow2_scales), **meta,
+    for xb, qb, sb, batch, xs, qs, ss in _batches(x, q, s):
+        _quant_cols_kernel[(ceil_div(c, block_c), kb, batch)](
+            xb, qb, sb, t, c, *xs, *qs[:2], *ss, POW2=bool(pow2_scales), **_fmt_meta(dtype),
             GROUP_T=SCALE_BLOCK, BLOCK_C=block_c, num_warps=4)
     return q, s
 
