@@ -111,11 +111,11 @@ def _triton_kernels(device_index: int):
 
 # NOTE: the per-token quantisers (with SiLU*mul too) as a CUDA kernel of the JIT
 # (backends/cuda/quant.py), for host time. On the H200 its GPU tests pass
-# (tests/test_cuda_quant.py), and scripts/quant_bandwidth.py timed both in one run: at 7168x2048
-# and 2112x7168 it takes 44-46 us of host time per call against Triton's 57-114, but reaches 66 %
-# of a bf16 copy's bandwidth (silu_mul 53 %) against Triton's 82-83 % (67 %). Where the GPU is
-# the bound (CUDA graphs, large batches) that loses more than the host time saves, so the Triton
-# kernels run.
+# (tests/test_cuda_quant.py), and scripts/quant_bandwidth.py timed both in one run over five
+# DeepSeek-V3 shapes: 25-47 us of host time per call against Triton's 40-77, but 66-67 % of a
+# bf16 copy's bandwidth (silu_mul 53-58 %) against Triton's 82-90 % (67-81 %), with either work
+# order of the scale stores. Where the GPU is the bound (CUDA graphs, large batches) that loses
+# more than the host time saves, so the Triton kernels run.
 CUDA_QUANT = False
 _printed: set[str] = set()
 

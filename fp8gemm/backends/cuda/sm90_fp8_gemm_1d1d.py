@@ -48,9 +48,10 @@ K_GROUPED_BLOCK_N_CHOICES = {128: BLOCK_N_CHOICES[128], 64: tuple(range(16, 185,
 # 6.1 bytes of A and B per 1000 FLOPs, 128x128 7.8). Each thread then holds both waves' FP32 sums,
 # the accumulator and the B scales: 256x120 is the widest tile ptxas compiles without spills,
 # dense and k-grouped (256x128 spills 8 and 40 bytes). The heuristic does not offer them
-# (BLOCK_M_CHOICES) until the H200 has timed them against its tiles (scripts/cuda_tiles.py
-# --family sm90_fp8_gemm_1d1d --kind wgrad --variants base,block_m=256+block_n=120); a config may
-# ask for one.
+# (BLOCK_M_CHOICES): on the H200 (scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad)
+# 256x120 ran the suite's four M = 4096-token weight gradients at 0.851x cuBLAS block-wise
+# against 0.884x for the heuristic's tiles, faster only at 32768x512 (3 %): the two waves'
+# promotions run one after the other. A config may ask for one.
 TALL_BLOCK_N_CHOICES = tuple(range(16, 121, 8))
 MAX_STAGES = 8
 # NOTE: two accumulators (the next k-block's wgmma issued before the wait for this one, so the
@@ -65,8 +66,9 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # kernel on the suite's in-place weight gradients (`scripts/cuda_tiles.py --family
 # sm90_fp8_gemm_1d1d --kind wgrad --variants base,block_n=128+two_accum=1`), 128x128 with two
 # accumulators ran within 1 %, 128x136 with two 1 % faster at 2112x7168 and 3-6 % slower at
-# 24576x1536 and 7168x2048: the promotion does not bound this kernel. A config may still ask for
-# them.
+# 24576x1536 and 7168x2048. The promotion does cost (a build without its FMAs ran 24 % faster),
+# but its issue time does not overlap the wgmma either way (docs/cuda.md, "Where the time
+# goes"). A config may still ask for them.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
 # NOTE: A may be e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2,
