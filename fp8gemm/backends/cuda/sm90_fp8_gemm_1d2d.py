@@ -371,6 +371,11 @@ class Sm90Plan:
         # complete the stage's barrier).
         map_a = tm.get(a.dtype, a.data_ptr(), (k, rows), (row_stride(a2) * a.element_size(),),
                        (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
+        # Dense: the last m-block's rows when M is not a multiple of BLOCK_M (the kernel's
+        # tmap_a_tail; unused otherwise).
+        tail_rows = m % cfg.block_m if self.kind is GemmKind.DENSE and m > cfg.block_m else 0
+        map_a_tail = tm.get(a.dtype, a.data_ptr(), (k, rows), (row_stride(a2) * a.element_size(),),
+                            (BLOCK_K, tail_rows), jit.Swizzle.B128) if tail_rows else map_a
         map_b = tm.get(b.dtype, b.data_ptr(), (k, b_rows), (k * b.element_size(),),
                        (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
         mp = align(m, 4)  # the A-scale column stride (layout.get_col_major_tma_aligned_tensor)
@@ -393,7 +398,8 @@ class Sm90Plan:
                               ctypes.c_uint32(self.groups), ctypes.c_uint64(out.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.stride(0)),
-                              map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d])
+                              map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d,
+                              map_a_tail])
         if len(self.packs) >= 1024:
             self.packs.clear()
         self.packs[key] = pack

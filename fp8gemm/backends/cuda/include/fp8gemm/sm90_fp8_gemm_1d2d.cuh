@@ -94,7 +94,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
                           const __grid_constant__ TmaDescriptor tmap_d,
-                          const __grid_constant__ TmaDescriptor tmap_d_tail) {
+                          const __grid_constant__ TmaDescriptor tmap_d_tail,
+                          const __grid_constant__ TmaDescriptor tmap_a_tail) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = Sm90Fp8Gemm1d2dLayout<kKind, SHAPE_N, SHAPE_K, BLOCK_M, BLOCK_N, kNumStages>;
   constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
@@ -191,6 +192,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     tma_prefetch_descriptor(&tmap_sa);
     tma_prefetch_descriptor(&tmap_d);
     tma_prefetch_descriptor(&tmap_d_tail);
+    if constexpr (kKind == kKindDense) tma_prefetch_descriptor(&tmap_a_tail);
   }
   // One arrival per math warp of every CTA that writes into a stage frees it.
   if (threadIdx.x == 0)
@@ -232,11 +234,23 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       const int32_t m0 = t.m0;
       // B of group g is rows [g * N, (g + 1) * N) of the [G * N, K] view.
       const int32_t n0 = static_cast<int32_t>(t.group * SHAPE_N + t.n_block * BLOCK_N);
+      // NOTE: a dense GEMM's last m-block, when M is not a multiple of BLOCK_M, loads its rows
+      // through a box of exactly those rows (tmap_a_tail), for the same reason as above: at
+      // M = 192 a 128-row tile's zero fill of 64 rows made the GEMM slower than at M = 256.
+      const TmaDescriptor* map_a = &tmap_a;
+      uint32_t tx_bytes = stage_tx_bytes;
+      if constexpr (kKind == kKindDense) {
+        const uint32_t rows = shape_m - static_cast<uint32_t>(m0);
+        if (rows < a_rows) {
+          map_a = &tmap_a_tail;
+          tx_bytes = rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
+        }
+      }
       const uint32_t kb1 = kb_end(t);
       for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
-        mbar_arrive_expect_tx(bar, stage_tx_bytes);
+        mbar_arrive_expect_tx(bar, tx_bytes);
         const int32_t k0 = static_cast<int32_t>(
             kShiftLastKBlock && kb + 1 == kNumKBlocks ? SHAPE_K - BLOCK_K : kb * BLOCK_K);
         uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
@@ -244,9 +258,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
         // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
         if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
-          if (is_leader) tma_load_2d_multicast(dst_a, &tmap_a, bar, k0, m0, 0b11);
+          if (is_leader) tma_load_2d_multicast(dst_a, map_a, bar, k0, m0, 0b11);
         } else {
-          tma_load_2d(dst_a, &tmap_a, bar, k0, m0);
+          tma_load_2d(dst_a, map_a, bar, k0, m0);
         }
         if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
           if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
