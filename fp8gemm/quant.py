@@ -117,6 +117,11 @@ def _triton_kernels(device_index: int):
 # order of the scale stores. Where the GPU is the bound (CUDA graphs, large batches) that loses
 # more than the host time saves, so the Triton kernels run.
 CUDA_QUANT = False
+# NOTE: inputs of at most this many elements take the CUDA kernel with CUDA_QUANT off: at decode
+# sizes (a few hundred tokens) either kernel runs in a few microseconds of device time and the
+# host's launch cost is the difference. 0 until scripts/quant_bandwidth.py has timed both at
+# those sizes on the H200 (its default shapes include 128-token rows).
+CUDA_QUANT_MAX_ELEMENTS = 0
 _printed: set[str] = set()
 
 
@@ -126,9 +131,10 @@ def _sm90(device_index: int) -> bool:
 
 
 def _cuda_rows(x: torch.Tensor, k: int, silu: bool):
-    """The CUDA per-token kernels' module when CUDA_QUANT is on, x is on a Hopper GPU and the
-    kernel takes it, else None (the Triton kernel runs). FP8GEMM_PRINT_CONFIGS shows which."""
-    if not CUDA_QUANT:
+    """The CUDA per-token kernels' module when CUDA_QUANT is on (or x has at most
+    CUDA_QUANT_MAX_ELEMENTS elements), x is on a Hopper GPU and the kernel takes it, else None
+    (the Triton kernel runs). FP8GEMM_PRINT_CONFIGS shows which."""
+    if not CUDA_QUANT and x.numel() > CUDA_QUANT_MAX_ELEMENTS:
         return None
     from ._settings import settings
 

@@ -39,7 +39,7 @@ from fp8gemm import quant  # noqa: E402
 from fp8gemm.bench.timing import DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS, eager_time_us, median  # noqa: E402
 
 # Activations of 4096 tokens at the DeepSeek-V3 widths, and two of its weights.
-SHAPES = "4096x7168,4096x2048,4096x16384,7168x2048,2112x7168"
+SHAPES = "4096x7168,4096x2048,4096x16384,7168x2048,2112x7168,128x7168,128x4096,32x7168"
 OPS = ("per_token", "per_token_transposed", "per_block", "per_block_transposed", "silu_mul",
        "per_token_cuda", "silu_mul_cuda")
 SCALE_BLOCK = 128

@@ -117,6 +117,21 @@ def test_refused_input_runs_triton_with_the_same_values(gpu_device, cuda_quant):
 
 
 @pytest.mark.gpu
+def test_small_inputs_take_the_cuda_kernel_below_the_size_bound(gpu_device, cuda_quant,
+                                                                 monkeypatch):
+    """With CUDA_QUANT off, inputs of at most CUDA_QUANT_MAX_ELEMENTS elements run the CUDA
+    kernel and larger ones Triton, both with the torch code's values."""
+    monkeypatch.setattr(quant, "CUDA_QUANT", False)
+    monkeypatch.setattr(quant, "CUDA_QUANT_MAX_ELEMENTS", 128 * 7168)
+    for rows, cuda in ((128, True), (129, False)):
+        x = torch.randn(rows, 7168) * 3
+        before = len(cuda_quant)
+        got = fp8gemm.quantize_per_token(x.to(gpu_device))
+        assert len(cuda_quant) == before + int(cuda), rows
+        _agrees(got, quant.per_token_torch(x, "e4m3", False, True), f"{rows} rows")
+
+
+@pytest.mark.gpu
 def test_repeats_bit_for_bit_and_writes_nothing_else(gpu_device, cuda_quant):
     """The same bits on every run; q and s are fresh tensors, x is left as it was."""
     x = torch.randn(4096, 7168, device=gpu_device, dtype=torch.bfloat16)
