@@ -269,7 +269,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
         uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
         // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
-        // other CTA's barrier still expects those bytes, so both count the same stage_tx_bytes.
+        // other CTA's barrier still expects those bytes, so both count them in tx_bytes (the
+        // pair shares that operand's block, and with it any tail box of it).
         if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
           if (is_leader) tma_load_2d_multicast(dst_a, map_a, bar, k0, m0, 0b11);
         } else {
