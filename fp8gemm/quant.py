@@ -134,7 +134,7 @@ def _cuda_rows(x: torch.Tensor, k: int, silu: bool):
     """The CUDA per-token kernels' module when CUDA_QUANT is on (or x has at most
     CUDA_QUANT_MAX_ELEMENTS elements), x is on a Hopper GPU and the kernel takes it, else None
     (the Triton kernel runs). FP8GEMM_PRINT_CONFIGS shows which."""
-    if not CUDA_QUANT and x.numel() > CUDA_QUANT_MAX_ELEMENTS:
+    if not CUDA_QUANT and not 0 < x.numel() <= CUDA_QUANT_MAX_ELEMENTS:
         return None
     from ._settings import settings
 
