@@ -236,6 +236,17 @@ def test_b_tail_map(m, n, k, bm, bn, multicast, on_a, two_accum, splits, gpu_dev
     assert calc_diff(outs[1], reference(a, sa, b, sb)) < TOL_BF16
 
 
+def _with_block_n(cfg, problem, facts, block_n):
+    """cfg at another width, with the deepest ring that fits (the width changes the stages)."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
+
+    stages = sm90_fp8_gemm_1d2d.max_stages(cfg.block_m, block_n, problem.k, facts.smem_per_block,
+                                           problem.kind)
+    return replace(cfg, block_n=block_n, num_stages=stages, two_accum=False)
+
+
 def test_b_tail_map_grouped(gpu_device):
     """The grouped kinds' tail map covers every group's last n-block (masked and contiguous):
     the same bits as without it."""
@@ -255,7 +266,7 @@ def test_b_tail_map_grouped(gpu_device):
     masked_m = torch.tensor([200, 0, 77], dtype=torch.int32, device=gpu_device)
     problem = GemmProblem(GemmKind.MASKED, mmax, n, k, g, E4M3, E4M3, Recipe.GROUP, Recipe.BLOCK,
                           torch.bfloat16, expected_m=100)
-    cfg = replace(fam.select_config(problem, facts), block_n=128)
+    cfg = _with_block_n(fam.select_config(problem, facts), problem, facts, 128)
     outs = []
     for tail in (False, True):
         out = torch.zeros((g, mmax, n), dtype=torch.bfloat16, device=gpu_device)
@@ -268,7 +279,7 @@ def test_b_tail_map_grouped(gpu_device):
     m_indices[rows - 56: rows] = -1  # padding rows
     problem = GemmProblem(GemmKind.CONTIGUOUS, g * rows, n, k, g, E4M3, E4M3, Recipe.GROUP,
                           Recipe.BLOCK, torch.bfloat16)
-    cfg = replace(fam.select_config(problem, facts), block_n=128)
+    cfg = _with_block_n(fam.select_config(problem, facts), problem, facts, 128)
     a2 = torch.randn(g * rows, k, device=gpu_device).to(E4M3)
     sa2 = get_col_major_tma_aligned_tensor(rand_scales((g * rows, ceil_div(k, 128)), gpu_device))
     outs = []
