@@ -389,6 +389,15 @@ def _run(a, sa, b, sb, out, c=None, cfg=None):
     return out
 
 
+def _run_with_c(a, sa, b, sb, c, c_mode, cfg=None):
+    """_run with c none, separate or out itself (c_mode): out starts poisoned, or as c."""
+    if c_mode == "alias":
+        out = c.clone()
+        return _run(a, sa, b, sb, out, out, cfg)
+    out = poisoned((a.shape[0], b.shape[0]), torch.float32, a.device)
+    return _run(a, sa, b, sb, out, c if c_mode == "separate" else None, cfg)
+
+
 GPU_SHAPES = [(256, 384, 128), (300, 200, 1000), (129, 520, 4096), (1024, 2112, 7168),
               (1, 576, 320), (37, 131, 7)]
 
@@ -609,12 +618,7 @@ def test_tall_tiles(c_mode, gpu_device):
     for m, n, k in ((300, 1000, 1100), (1000, 360, 4096)):
         a, sa, b, sb = _operands(m, n, k, gpu_device)
         c = torch.randn(m, n, device=gpu_device) * 64
-        if c_mode == "alias":
-            out = c.clone()
-            _run(a, sa, b, sb, out, out, cfg)
-        else:
-            out = poisoned((m, n), torch.float32, gpu_device)
-            _run(a, sa, b, sb, out, c if c_mode == "separate" else None, cfg)
+        out = _run_with_c(a, sa, b, sb, c, c_mode, cfg)
         ref = _reference(a, sa, b, sb, None if c_mode == "none" else c)
         assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} c={c_mode} {cfg}")
     if c_mode != "alias":
@@ -640,16 +644,9 @@ def test_tail_maps(bm, bn, two_accum, gpu_device):
         a, sa, b, sb = _operands(m, n, k, gpu_device)
         c = torch.randn(m, n, device=gpu_device) * 64
         for c_mode in ("none", "separate", "alias"):
-            outs = []
-            for tail in (False, True):
-                cfg = _tail_config(bm, bn, two_accum, tail)
-                if c_mode == "alias":
-                    out = c.clone()
-                    _run(a, sa, b, sb, out, out, cfg)
-                else:
-                    out = poisoned((m, n), torch.float32, gpu_device)
-                    _run(a, sa, b, sb, out, c if c_mode == "separate" else None, cfg)
-                outs.append(out)
+            cfg = _tail_config(bm, bn, two_accum)
+            outs = [_run_with_c(a, sa, b, sb, c, c_mode, replace(cfg, tail_maps=tail))
+                    for tail in (False, True)]
             what = f"{m}x{n}x{k} c={c_mode} {cfg}"
             assert torch.equal(outs[0], outs[1]), what
             ref = _reference(a, sa, b, sb, None if c_mode == "none" else c)
