@@ -119,7 +119,7 @@ def assert_valid(cfg: sm.SmallMConfig, m: int, n: int, k: int, facts: DeviceFact
     # Shared memory fits; an even ring as deep as it allows, capped at one stage per k-block of
     # a split.
     assert cfg.smem(k) <= facts.smem_per_block
-    top = max(sm.MIN_STAGES, min(sm.MAX_STAGES, ceil_div(num_kb, cfg.num_splits)))
+    top = max(sm.MIN_STAGES, min(sm.stage_target(cfg.block_m), ceil_div(num_kb, cfg.num_splits)))
     assert cfg.num_stages % 2 == 0 and sm.MIN_STAGES <= cfg.num_stages <= top
     assert cfg.num_stages + 2 > top or sm.smem_bytes(cfg.block_m, cfg.num_splits,
                                                      cfg.num_stages + 2, k) > facts.smem_per_block

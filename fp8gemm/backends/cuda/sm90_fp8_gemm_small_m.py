@@ -26,8 +26,8 @@ from ..family import DeviceFacts, KernelFamily
 from . import sm90_fp8_gemm_1d2d as dense
 from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
-__all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "max_stages",
-           "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "candidates",
+__all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "stage_bytes",
+           "stage_target", "max_stages", "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "candidates",
            "kernel_source", "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M",
            "MAX_BLOCK_M", "MAX_SPLITS", "NUM_THREADS"]
 
@@ -43,7 +43,15 @@ MAX_BLOCK_M = 128
 MAX_M = 256
 # A portable cluster holds at most 8 CTAs.
 MAX_SPLITS = 8
-MAX_STAGES = 8
+# NOTE: a decode CTA streams its k-blocks through the ring, so the bytes it keeps in flight set
+# its rate (Little's law): 8 stages of an 8-token tile (9.3 KB each) pulled ~35 GB/s per CTA on
+# the H200. The ring is as deep as IN_FLIGHT_BYTES asks, at least BASE_STAGES and at most
+# MAX_STAGES: 16 stages ran 1x2112x7168 in 11.6 us against 13.0 at 8 and 1x4096x7168 in 15.0
+# against 16.8 (20: no faster), while 64-token tiles (16.6 KB stages) ran no faster at 12 than
+# at 8 (128x2112x7168, 64x7168x16384).
+IN_FLIGHT_BYTES = 150 * 1024
+BASE_STAGES = 8
+MAX_STAGES = 16
 MIN_STAGES = 2
 # NOTE: stage counts are even. The two math warpgroups take alternate k-blocks, and a parity
 # wait on a stage's full barrier is unambiguous only if the barrier's previous phase has
@@ -97,16 +105,26 @@ def sa_stage(block_m: int) -> int:
 
 def smem_bytes(block_m: int, num_splits: int, num_stages: int, k: int) -> int:
     """Sm90Fp8GemmSmallMLayout::kSmemBytes: the kernel traps when launched with less."""
-    per_stage = BLOCK_N * BLOCK_K + block_m * BLOCK_K + sa_stage(block_m) * 4
+    per_stage = stage_bytes(block_m)
     sb = align(ceil_div(ceil_div(k, BLOCK_K), num_splits) * 4, 16)
     red = block_m * (BLOCK_N + 4) * 4
     return 1024 + num_stages * per_stage + sb + red + 2 * num_stages * 8
 
 
+def stage_bytes(block_m: int) -> int:
+    """Shared memory of one ring stage: 64 rows of B, block_m of A, their A scales."""
+    return BLOCK_N * BLOCK_K + block_m * BLOCK_K + sa_stage(block_m) * 4
+
+
+def stage_target(block_m: int) -> int:
+    """Stages that keep IN_FLIGHT_BYTES in flight, at least BASE_STAGES and at most MAX_STAGES."""
+    return min(MAX_STAGES, max(BASE_STAGES, IN_FLIGHT_BYTES // stage_bytes(block_m)))
+
+
 def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int) -> int:
-    """The deepest even pipeline that fits `smem_limit` bytes, at most one stage per k-block of
-    a split (rounded down to even; 0: none fits)."""
-    top = max(MIN_STAGES, min(MAX_STAGES, ceil_div(ceil_div(k, BLOCK_K), num_splits)))
+    """The deepest even pipeline up to `stage_target` that fits `smem_limit` bytes, at most one
+    stage per k-block of a split (rounded down to even; 0: none fits)."""
+    top = max(MIN_STAGES, min(stage_target(block_m), ceil_div(ceil_div(k, BLOCK_K), num_splits)))
     for s in range(top - top % 2, MIN_STAGES - 1, -2):
         if smem_bytes(block_m, num_splits, s, k) <= smem_limit:
             return s
