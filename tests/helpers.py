@@ -410,19 +410,6 @@ SPLIT_K_CONFIGS = [
     (130, 576, 16384, 64, 160, 8),     # BLOCK_M 64, 160 wide, 8 parts
 ]
 
-# Configs of the dense 1D2D kernel with B's tail map (b_tail_map, not chosen by the heuristic yet:
-# built directly), N % BLOCK_N != 0 in each: (M, N, K, BLOCK_M, BLOCK_N, multicast, on A, two
-# accumulators, splits).
-B_TAIL_CONFIGS = [
-    (300, 2112, 7168, 128, 128, 1, False, True, 1),   # two accumulators, M tail too
-    (512, 2112, 1024, 128, 128, 2, False, False, 1),  # multicast of B: the pair shares the tail
-    (256, 1216, 1024, 128, 128, 2, True, False, 1),   # multicast of A, ten n-blocks
-    (1000, 576, 2112, 256, 128, 1, False, False, 1),  # 256 rows, shifted last k-block
-    (37, 200, 336, 64, 128, 1, False, False, 1),      # one math warpgroup, 72-row tail
-    (64, 1000, 4096, 64, 136, 1, False, False, 1),    # 48-row tail of a 136-wide tile
-    (192, 2112, 7168, 128, 128, 1, False, False, 2),  # split-K
-]
-
 FORCED_CONFIGS = [
     (512, 2048, 1024, 128, 128, 2, False, False),   # multicast of B: pairs share n_block
     (512, 2048, 1024, 128, 128, 2, True, False),    # multicast of A: pairs share m_block

@@ -326,31 +326,6 @@ def test_tall_tiles_compile_clean_up_to_the_stated_width(tmp_path, monkeypatch):
     assert max(spills) > 0, f"{wider} compiles clean: widen TALL_BLOCK_N_CHOICES"
 
 
-# Configs with tail maps (tail_maps, not chosen by the heuristic yet: built directly), each with a
-# partial last m-block, n-block or both on its GPU shapes below: (BLOCK_M, BLOCK_N, two accumulators).
-TAIL_MAP_TILES = [(128, 128, False), (128, 160, False), (64, 192, False), (256, 120, False),
-                  (128, 128, True)]
-
-
-def _tail_config(bm, bn, two_accum, tail_maps=True):
-    return g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
-                            two_accum, tail_maps)
-
-
-@pytest.mark.parametrize("bm,bn,two_accum", TAIL_MAP_TILES)
-def test_tail_map_configs_compile_clean(bm, bn, two_accum, tmp_path, monkeypatch):
-    """The tail-map kernels the GPU test `test_tail_maps` runs, dense and k-grouped (without the
-    maps the kernels' SASS is the same as before they existed: checked when they were added)."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = _tail_config(bm, bn, two_accum)
-    assert "tail-maps" in str(cfg)
-    for k_grouped in (False, True):
-        compiled = g.compile_kernel(1000, cfg, k_grouped)[1]
-        _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped={k_grouped} {cfg}")
-
-
 def test_one_past_the_widest_two_accum_tile_spills(tmp_path, monkeypatch):
     """TWO_ACCUM_MAX_BLOCK_N stops where ptxas starts spilling at both heights (the k-grouped walk,
     which keeps a few more registers live than the dense one)."""
@@ -387,15 +362,6 @@ def _run(a, sa, b, sb, out, c=None, cfg=None):
     cfg = cfg or g.DENSE.config_for(p, a.device)
     g.DENSE.run(cfg, p, a, sa, b, sb, out, c)
     return out
-
-
-def _run_with_c(a, sa, b, sb, c, c_mode, cfg=None):
-    """_run with c none, separate or out itself (c_mode): out starts poisoned, or as c."""
-    if c_mode == "alias":
-        out = c.clone()
-        return _run(a, sa, b, sb, out, out, cfg)
-    out = poisoned((a.shape[0], b.shape[0]), torch.float32, a.device)
-    return _run(a, sa, b, sb, out, c if c_mode == "separate" else None, cfg)
 
 
 GPU_SHAPES = [(256, 384, 128), (300, 200, 1000), (129, 520, 4096), (1024, 2112, 7168),
@@ -618,7 +584,12 @@ def test_tall_tiles(c_mode, gpu_device):
     for m, n, k in ((300, 1000, 1100), (1000, 360, 4096)):
         a, sa, b, sb = _operands(m, n, k, gpu_device)
         c = torch.randn(m, n, device=gpu_device) * 64
-        out = _run_with_c(a, sa, b, sb, c, c_mode, cfg)
+        if c_mode == "alias":
+            out = c.clone()
+            _run(a, sa, b, sb, out, out, cfg)
+        else:
+            out = poisoned((m, n), torch.float32, gpu_device)
+            _run(a, sa, b, sb, out, c if c_mode == "separate" else None, cfg)
         ref = _reference(a, sa, b, sb, None if c_mode == "none" else c)
         assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} c={c_mode} {cfg}")
     if c_mode != "alias":
@@ -632,38 +603,6 @@ def test_tall_tiles(c_mode, gpu_device):
     g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
     assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
                       f"k-grouped {m}x{n} ks={ks} {cfg}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm,bn,two_accum", TAIL_MAP_TILES)
-def test_tail_maps(bm, bn, two_accum, gpu_device):
-    """The last m-block and n-block through their own tail maps: the same bits as the full,
-    zero-filled boxes, with c none, separate and out itself, and the k-grouped kernel in place;
-    M tails of 44-232 rows, N tails of 3-128 columns, a single partial n-block."""
-    for m, n, k in ((300, 1000, 1100), (2112, 7168, 512), (37, 131, 384), (1000, 360, 4096)):
-        a, sa, b, sb = _operands(m, n, k, gpu_device)
-        c = torch.randn(m, n, device=gpu_device) * 64
-        for c_mode in ("none", "separate", "alias"):
-            cfg = _tail_config(bm, bn, two_accum)
-            outs = [_run_with_c(a, sa, b, sb, c, c_mode, replace(cfg, tail_maps=tail))
-                    for tail in (False, True)]
-            what = f"{m}x{n}x{k} c={c_mode} {cfg}"
-            assert torch.equal(outs[0], outs[1]), what
-            ref = _reference(a, sa, b, sb, None if c_mode == "none" else c)
-            assert_close_diff(outs[1], ref, TENSOR_CORE_FP32_DIFF, what)
-    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
-    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
-    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
-    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
-    outs = []
-    for tail in (False, True):
-        out = c.clone()
-        g.K_GROUPED.run(_tail_config(bm, bn, two_accum, tail), p, a, sa, b, sb, out, out, ks_t)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1]), f"k-grouped {m}x{n} ks={ks}"
-    assert_close_diff(outs[1], _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
-                      f"k-grouped {m}x{n} ks={ks}")
 
 
 @pytest.mark.gpu

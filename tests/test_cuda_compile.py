@@ -19,7 +19,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import B_TAIL_CONFIGS, FORCED_CONFIGS, SPLIT_K_CONFIGS, compiler_or_skip
+from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, compiler_or_skip
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -424,32 +424,6 @@ def test_split_k_refusals():
                       (g.Sm90Config(128, 128, 4, 1, False, 2, 132, True, 2), problem(512, 512, 1024))]:
         with pytest.raises(ValueError, match="split-K needs"):
             g.Sm90Plan(prob, 0, cfg)
-
-
-@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a,two_accum,splits", B_TAIL_CONFIGS)
-def test_b_tail_map_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, two_accum, splits,
-                                          tmp_path, monkeypatch):
-    """The configs the GPU test `test_b_tail_map` runs, and a grouped one; without the tail map
-    the kernel's SASS is the same as before it existed (checked when it was added)."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    stages = g.max_stages(bm, bn, k, H200.smem_per_block)
-    cfg = g.Sm90Config(bm, bn, stages, multicast, on_a, g.BAND_SIZE, 132, two_accum, splits,
-                       b_tail_map=True)
-    assert "b-tail-map" in str(cfg)
-    _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg)
-    assert_clean_cubin(compiled, cfg, tool, tmp_path, str(cfg))
-    if splits == 1 and multicast == 1:
-        _, compiled, _, _ = g.compile_kernel(GemmKind.MASKED, n, k, cfg)
-        assert_clean_cubin(compiled, cfg, tool, tmp_path, "masked " + str(cfg))
-
-
-def test_b_tail_map_refusal():
-    """A tail map for B needs a partial last n-block."""
-    cfg = g.Sm90Config(128, 128, 4, 1, False, g.BAND_SIZE, 132, b_tail_map=True)
-    with pytest.raises(ValueError, match="tail map for B needs N % block_n != 0"):
-        g.Sm90Plan(problem(256, 512, 1024), 0, cfg)
 
 
 def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import (B_TAIL_CONFIGS, FORCED_CONFIGS, SPLIT_K_CONFIGS, TOL, calc_diff, col_major_tma, rand_scales,
+from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, TOL, calc_diff, col_major_tma, rand_scales,
                      ref_gemm)
 
 pytestmark = pytest.mark.gpu
@@ -205,91 +205,6 @@ def test_forced_configs(m, n, k, bm, bn, multicast, on_a, two_accum, gpu_device)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
     assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
-
-
-@pytest.mark.parametrize("m,n,k,bm,bn,multicast,on_a,two_accum,splits", B_TAIL_CONFIGS)
-def test_b_tail_map(m, n, k, bm, bn, multicast, on_a, two_accum, splits, gpu_device):
-    """B's last n-block through its own tail map (b_tail_map, not chosen by the heuristic yet):
-    the same bits as the same config loading a zero-filled full box, and against float64."""
-    from dataclasses import replace
-
-    from fp8gemm.backends.cuda import FAMILIES, sm90_fp8_gemm_1d2d
-    from fp8gemm.backends.family import DeviceFacts
-
-    fam = {f.name: f for f in FAMILIES}["sm90_fp8_gemm_1d2d"]
-    problem = dense_problem(m, n, k)
-    facts = DeviceFacts.of(gpu_device)
-    stages = sm90_fp8_gemm_1d2d.max_stages(bm, bn, k, facts.smem_per_block)
-    tiles = ceil_div(m, bm) * ceil_div(n, bn) * splits
-    grid = min(facts.num_sms, tiles) // multicast * multicast
-    cfg = replace(fam.select_config(problem, facts), block_m=bm, block_n=bn, num_stages=stages,
-                  num_multicast=multicast, multicast_on_a=on_a, grid=grid, two_accum=two_accum,
-                  splits=splits)
-    a, sa, b, sb = make_operands(m, n, k, gpu_device)
-    outs = []
-    for tail in (False, True):
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
-        fam.run(replace(cfg, b_tail_map=tail), problem, a, sa, b, sb, out)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
-    assert calc_diff(outs[1], reference(a, sa, b, sb)) < TOL_BF16
-
-
-def _with_block_n(cfg, problem, facts, block_n):
-    """cfg at another width, with the deepest ring that fits (the width changes the stages)."""
-    from dataclasses import replace
-
-    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
-
-    stages = sm90_fp8_gemm_1d2d.max_stages(cfg.block_m, block_n, problem.k, facts.smem_per_block,
-                                           problem.kind)
-    return replace(cfg, block_n=block_n, num_stages=stages, two_accum=False)
-
-
-def test_b_tail_map_grouped(gpu_device):
-    """The grouped kinds' tail map covers every group's last n-block (masked and contiguous):
-    the same bits as without it."""
-    from dataclasses import replace
-
-    from fp8gemm.backends.cuda import FAMILIES
-    from fp8gemm.backends.family import DeviceFacts
-    from fp8gemm.layout import get_col_major_tma_aligned_tensor
-
-    fam = {f.name: f for f in FAMILIES}["sm90_m_grouped_fp8_gemm_1d2d"]
-    facts = DeviceFacts.of(gpu_device)
-    g, mmax, n, k = 3, 200, 576, 320
-    a = torch.randn(g, mmax, k, device=gpu_device).to(E4M3)
-    sa = get_col_major_tma_aligned_tensor(rand_scales((g, mmax, ceil_div(k, 128)), gpu_device))
-    b = torch.randn(g, n, k, device=gpu_device).to(E4M3)
-    sb = rand_scales((g, ceil_div(n, 128), ceil_div(k, 128)), gpu_device)
-    masked_m = torch.tensor([200, 0, 77], dtype=torch.int32, device=gpu_device)
-    problem = GemmProblem(GemmKind.MASKED, mmax, n, k, g, E4M3, E4M3, Recipe.GROUP, Recipe.BLOCK,
-                          torch.bfloat16, expected_m=100)
-    cfg = _with_block_n(fam.select_config(problem, facts), problem, facts, 128)
-    outs = []
-    for tail in (False, True):
-        out = torch.zeros((g, mmax, n), dtype=torch.bfloat16, device=gpu_device)
-        fam.run(replace(cfg, b_tail_map=tail), problem, a, sa, b, sb, out, None, masked_m)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1])
-    rows = 256  # per group, a multiple of 128 (the contiguous layout's alignment)
-    m_indices = torch.arange(g, device=gpu_device, dtype=torch.int32).repeat_interleave(rows)
-    m_indices[rows - 56: rows] = -1  # padding rows
-    problem = GemmProblem(GemmKind.CONTIGUOUS, g * rows, n, k, g, E4M3, E4M3, Recipe.GROUP,
-                          Recipe.BLOCK, torch.bfloat16)
-    cfg = _with_block_n(fam.select_config(problem, facts), problem, facts, 128)
-    a2 = torch.randn(g * rows, k, device=gpu_device).to(E4M3)
-    sa2 = get_col_major_tma_aligned_tensor(rand_scales((g * rows, ceil_div(k, 128)), gpu_device))
-    outs = []
-    for tail in (False, True):
-        out = torch.zeros((g * rows, n), dtype=torch.bfloat16, device=gpu_device)
-        fam.run(replace(cfg, b_tail_map=tail), problem, a2, sa2, b, sb, out, None, m_indices)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.equal(outs[0], outs[1]) and not torch.isnan(outs[1]).any()
-    assert outs[1][: rows - 56].abs().sum() > 0
 
 
 def _split_config(fam, problem, facts, bm, bn, splits):

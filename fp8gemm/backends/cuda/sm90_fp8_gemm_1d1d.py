@@ -107,9 +107,6 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    # the last m-block and n-block through boxes of their own rows (M % block_m, N % block_n), not
-    # full boxes that TMA zero-fills past M and N; not chosen by the heuristic yet
-    tail_maps: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -124,7 +121,7 @@ class Sm90Config1d1d:
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else "") + (" tail-maps" if self.tail_maps else ""))
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -209,7 +206,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {b[cfg.tail_maps]}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}>")
     return source, name
 
 
@@ -280,14 +277,6 @@ class Sm90Plan1d1d:
                        (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
         map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (_row_bytes(b),),
                        (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
-        # cfg.tail_maps: the last m-block's and n-block's own rows (the kernel reads a map only
-        # where its block is partial)
-        a_tail = m % cfg.block_m if cfg.tail_maps and m > cfg.block_m else 0
-        b_tail = n % cfg.block_n if cfg.tail_maps else 0
-        map_a_tail = tm.get(a.dtype, a.data_ptr(), (k, m), (_row_bytes(a),), (BLOCK_K, a_tail),
-                            jit.Swizzle.B128) if a_tail else map_a
-        map_b_tail = tm.get(b.dtype, b.data_ptr(), (k, n), (_row_bytes(b),), (BLOCK_K, b_tail),
-                            jit.Swizzle.B128) if b_tail else map_b
         # Scales: column-major, columns padded to 4 floats (layout.get_col_major_tma_aligned_tensor);
         # full boxes (TMA zero-fills rows past M and N; the kernel counts BLOCK_M + BLOCK_N floats).
         map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb), (align(m, 4) * 4,),
@@ -298,8 +287,7 @@ class Sm90Plan1d1d:
                               ctypes.c_uint64(0 if ks is None else ks.data_ptr()),
                               ctypes.c_uint32(self.groups),
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),
-                              ctypes.c_uint64(out.data_ptr()), map_a, map_b, map_sa, map_sb,
-                              map_a_tail, map_b_tail])
+                              ctypes.c_uint64(out.data_ptr()), map_a, map_b, map_sa, map_sb])
         if len(self.packs) >= 1024:
             self.packs.clear()
         self.packs[key] = pack

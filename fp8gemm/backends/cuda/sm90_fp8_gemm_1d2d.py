@@ -155,9 +155,6 @@ class Sm90Config:
     # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
     # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
     splits: int = 1
-    # B's last n-block (N % block_n != 0) through a box of its own rows, not a full box that TMA
-    # zero-fills past N (as the A map does for the last m-block); not chosen by the heuristic yet
-    b_tail_map: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -172,8 +169,7 @@ class Sm90Config:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
                 + (" accum=2" if self.two_accum else "")
-                + (f" splits={self.splits}" if self.splits > 1 else "")
-                + (" b-tail-map" if self.b_tail_map else ""))
+                + (f" splits={self.splits}" if self.splits > 1 else ""))
 
 
 def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
@@ -313,7 +309,7 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
             f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c and cfg.splits == 1]}, "
-            f"{b[a_e5m2]}, {cfg.splits}, {b[cfg.b_tail_map]}>")
+            f"{b[a_e5m2]}, {cfg.splits}>")
     return source, name
 
 
@@ -339,9 +335,6 @@ class Sm90Plan:
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.num_kb = ceil_div(problem.k, BLOCK_K)
         self.device_index = device_index
-        if cfg.b_tail_map and self.n % cfg.block_n == 0:
-            raise ValueError(f"config {cfg}: a tail map for B needs N % block_n != 0, "
-                             f"N = {self.n}")
         if cfg.num_multicast == 2:
             blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
                       else ceil_div(self.m, cfg.block_m))
@@ -385,9 +378,6 @@ class Sm90Plan:
                             (BLOCK_K, tail_rows), jit.Swizzle.B128) if tail_rows else map_a
         map_b = tm.get(b.dtype, b.data_ptr(), (k, b_rows), (k * b.element_size(),),
                        (BLOCK_K, cfg.block_n), jit.Swizzle.B128)
-        map_b_tail = tm.get(b.dtype, b.data_ptr(), (k, b_rows), (k * b.element_size(),),
-                            (BLOCK_K, n % cfg.block_n), jit.Swizzle.B128) \
-            if cfg.b_tail_map else map_b
         mp = align(m, 4)  # the A-scale column stride (layout.get_col_major_tma_aligned_tensor)
         if masked:
             map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb, self.groups),
@@ -409,7 +399,7 @@ class Sm90Plan:
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.stride(0)),
                               map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d,
-                              map_a_tail, map_b_tail])
+                              map_a_tail])
         if len(self.packs) >= 1024:
             self.packs.clear()
         self.packs[key] = pack

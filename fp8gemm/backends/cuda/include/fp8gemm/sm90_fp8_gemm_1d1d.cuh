@@ -110,16 +110,14 @@ struct alignas(8) Float2 {
 };
 
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2, bool kTailMaps>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
-                          const __grid_constant__ TmaDescriptor tmap_sb,
-                          const __grid_constant__ TmaDescriptor tmap_a_tail,
-                          const __grid_constant__ TmaDescriptor tmap_b_tail) {
+                          const __grid_constant__ TmaDescriptor tmap_sb) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>;
   constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
@@ -144,11 +142,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   static_assert(kNumStages >= 2, "at least double buffering");
-  // kTailMaps: the last m-block loads its M % BLOCK_M rows of A through tmap_a_tail, the last
-  // n-block its SHAPE_N % BLOCK_N rows of B through tmap_b_tail, instead of full boxes that TMA
-  // zero-fills past M and N (slow: the dense forward kernel's 192-row GEMMs ran 26 % faster
-  // without it). The rows past them in shared memory keep stale bytes, which feed only sums that
-  // are never stored.
   static_assert(!kTwoAccum || kNumStages >= 3,
                 "two k-blocks in flight and one being filled need three stages");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
@@ -179,10 +172,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     tma_prefetch_descriptor(&tmap_b);
     tma_prefetch_descriptor(&tmap_sa);
     tma_prefetch_descriptor(&tmap_sb);
-    if constexpr (kTailMaps) {
-      tma_prefetch_descriptor(&tmap_a_tail);
-      tma_prefetch_descriptor(&tmap_b_tail);
-    }
   }
   // One arrival per math warp frees a stage.
   if (threadIdx.x == 0) init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps);
@@ -213,15 +202,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
-        const TmaDescriptor* map_a = &tmap_a;
-        const TmaDescriptor* map_b = &tmap_b;
-        uint32_t tx_bytes = stage_tx_bytes;
-        if constexpr (kTailMaps) {
-          const uint32_t rows = shape_m - static_cast<uint32_t>(m0);
-          if (rows < a_rows) map_a = &tmap_a_tail, tx_bytes -= (a_rows - rows) * BLOCK_K;
-          if (SHAPE_N % BLOCK_N != 0 && tile.n_block + 1 == kNumNBlocks)
-            map_b = &tmap_b_tail, tx_bytes -= (BLOCK_N - SHAPE_N % BLOCK_N) * BLOCK_K;
-        }
         for (uint32_t i = 0; i < tile.num_kb; ++i) {
           if (prefetch_c && i + 2 == (tile.num_kb > 2 ? tile.num_kb : 2)) {
             const uint32_t rows = min(BLOCK_M, shape_m - static_cast<uint32_t>(m0));
@@ -231,10 +211,10 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
           }
           mbar_wait(&empty_bar[stage], phase ^ 1);
           uint64_t* bar = &full_bar[stage];
-          mbar_arrive_expect_tx(bar, tx_bytes);
+          mbar_arrive_expect_tx(bar, stage_tx_bytes);
           const int32_t kb = static_cast<int32_t>(tile.kb0 + i);
-          tma_load_2d(smem_a + stage * Layout::SMEM_A, map_a, bar, kb * static_cast<int32_t>(BLOCK_K), m0);
-          tma_load_2d(smem_b + stage * Layout::SMEM_B, map_b, bar, kb * static_cast<int32_t>(BLOCK_K), n0);
+          tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, kb * static_cast<int32_t>(BLOCK_K), m0);
+          tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, kb * static_cast<int32_t>(BLOCK_K), n0);
           tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, m0, kb);
           tma_load_2d(smem_sb + stage * Layout::kSbStage, &tmap_sb, bar, n0, kb);
           if (++stage == kNumStages) stage = 0, phase ^= 1;

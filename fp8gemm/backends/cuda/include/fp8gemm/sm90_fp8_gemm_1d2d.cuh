@@ -85,7 +85,7 @@ __device__ __forceinline__ void for_each_sum_pair(uint32_t m0, uint32_t n0, uint
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits, bool kBTailMap>
+          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
@@ -95,8 +95,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const __grid_constant__ TmaDescriptor tmap_sa,
                           const __grid_constant__ TmaDescriptor tmap_d,
                           const __grid_constant__ TmaDescriptor tmap_d_tail,
-                          const __grid_constant__ TmaDescriptor tmap_a_tail,
-                          const __grid_constant__ TmaDescriptor tmap_b_tail) {
+                          const __grid_constant__ TmaDescriptor tmap_a_tail) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Layout = Sm90Fp8Gemm1d2dLayout<kKind, SHAPE_N, SHAPE_K, BLOCK_M, BLOCK_N, kNumStages>;
   constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
@@ -111,9 +110,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t kNumWaves = BLOCK_M / WAVE_M;
   constexpr uint32_t kNumKBlocks = Layout::kNumKBlocks;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
-  // kBTailMap: a group's last n-block loads its SHAPE_N % BLOCK_N rows of B through tmap_b_tail
-  // (the partial last m-block's reason, along N).
-  constexpr uint32_t kBTailRows = SHAPE_N % BLOCK_N;
   constexpr uint32_t kNumSbRows = ceil_div(SHAPE_N, 128u);
   // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
   constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
@@ -158,7 +154,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(kKind == kKindDense || !kHasC, "C is a dense kernel's input");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
-  static_assert(!kBTailMap || kBTailRows != 0, "a tail map for B needs N % BLOCK_N != 0");
   static_assert(!kTwoAccum || (BLOCK_M == 128 && BLOCK_N <= 128),
                 "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave "
                 "(one math warpgroup spills with the epilogue under the next tile's wgmma)");
@@ -198,7 +193,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     tma_prefetch_descriptor(&tmap_d);
     tma_prefetch_descriptor(&tmap_d_tail);
     if constexpr (kKind == kKindDense) tma_prefetch_descriptor(&tmap_a_tail);
-    if constexpr (kBTailMap) tma_prefetch_descriptor(&tmap_b_tail);
   }
   // One arrival per math warp of every CTA that writes into a stage frees it.
   if (threadIdx.x == 0)
@@ -252,13 +246,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           tx_bytes = rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
         }
       }
-      const TmaDescriptor* map_b = &tmap_b;
-      if constexpr (kBTailMap) {
-        if (t.n_block + 1 == kNumNBlocks) {
-          map_b = &tmap_b_tail;
-          tx_bytes -= (BLOCK_N - kBTailRows) * BLOCK_K;
-        }
-      }
       const uint32_t kb1 = kb_end(t);
       for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
@@ -277,9 +264,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           tma_load_2d(dst_a, map_a, bar, k0, m0);
         }
         if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
-          if (is_leader) tma_load_2d_multicast(dst_b, map_b, bar, k0, n0, 0b11);
+          if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
         } else {
-          tma_load_2d(dst_b, map_b, bar, k0, n0);
+          tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
         }
         if constexpr (kKind == kKindMasked) {
           tma_load_3d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, t.sa_m, static_cast<int32_t>(kb),
