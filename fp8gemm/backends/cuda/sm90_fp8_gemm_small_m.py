@@ -87,8 +87,11 @@ SPLIT_US = 0.5
 # 6-CTA: 17, 8-CTA: 12), so that a config it takes for one wave never starts a second (which
 # would double the time); tests/test_cuda_small_m.py checks every size against the driver.
 CLUSTER_PACKING = 0.775
-# The family takes a problem only where its model beats the dense family's by this factor.
-WIN_FACTOR = 0.95
+# The family takes a problem only where its model beats the dense family's by this factor. On
+# the H200 at 7168x2048 (both families timed in one session) the small-M kernel ran 13 % faster
+# than the dense 64x64 tiles at M = 8 and 4 % at M = 32, equal at M = 64, where the model says
+# 0.967, 0.979 and 0.995 of the dense time: the dense model is the more optimistic one there.
+WIN_FACTOR = 0.98
 
 
 def cluster_slots(num_splits: int, num_sms: int) -> int:
