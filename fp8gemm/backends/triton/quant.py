@@ -317,9 +317,11 @@ def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
     s = empty_token_scales(lead, c, kb, col_major_scales, x.device)
     if q.numel() == 0:
         return q, s
-    # NOTE: [128 tokens, 64 channels] tiles, 4 warps: on the H200 against a bf16 copy, 83 % of
-    # its bandwidth at 4096x7168 and 79 % at 7168x2048 (32 channels 76 %, 128 channels 68 %,
-    # 8 warps 55-65 %); the quantised tile is transposed in shared memory as fp8.
+    # NOTE: [128 tokens, 64 channels] tiles, 4 warps: on the H200 against a bf16 copy, 76-83 % of
+    # its bandwidth at 4096x7168 (over three runs) and 74-79 % at 7168x2048. The same run that
+    # gave 76 % gave 60-73 % for 64 channels at 1-2 warps, 64-73 % for 32 channels at 1-2, 65 % for
+    # 16 at 1 and 57 % for 128 at 8 warps. The quantised tile is transposed in shared memory as
+    # fp8.
     block_c = 64
     for xb, qb, sb, batch, xs, qs, ss in _batches(x, q, s):
         _quant_cols_kernel[(ceil_div(c, block_c), kb, batch)](
