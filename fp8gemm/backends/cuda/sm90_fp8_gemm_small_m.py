@@ -29,8 +29,9 @@ from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligne
 
 __all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "stage_bytes",
            "stage_target", "max_stages", "cluster_slots", "token_tiles", "stream_us", "estimate_us",
-           "persistent_estimate_us", "dense_estimate_us", "candidates", "kernel_source", "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M",
-           "MAX_BLOCK_M", "MAX_SPLITS", "NUM_THREADS"]
+           "persistent_estimate_us", "dense_estimate_us", "candidates", "kernel_source",
+           "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M", "MAX_BLOCK_M", "MAX_SPLITS",
+           "NUM_THREADS"]
 
 BLOCK_K = SCALE_BLOCK
 # NOTE: rows of B per tile: wgmma's M is 64, and B's 128-row scale blocks hold two such tiles, so
@@ -272,7 +273,7 @@ def _select(m: int, n: int, k: int, facts: DeviceFacts, persistent: bool) -> Sma
 def _declines(problem: GemmProblem, facts: DeviceFacts, persistent: bool) -> str | None:
     cands = candidates(problem.m, problem.n, problem.k, facts, persistent)
     if not cands:
-        return (f"no config fits shared memory" if persistent else
+        return ("no config fits shared memory" if persistent else
                 f"no config fits one wave of {facts.num_sms} SMs (N/{BLOCK_N} x M/"
                 f"{MAX_BLOCK_M} tiles, at least one cluster each)")
     mine, theirs = cands[0].us, dense_estimate_us(problem, facts)

@@ -286,7 +286,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       const uint32_t red = smem_addr(smem_red);
       uint32_t peer[kNumSplits];
 #pragma unroll
-      for (uint32_t r = 0; r < kNumSplits; ++r) peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
+      for (uint32_t r = 0; r < kNumSplits; ++r)
+        peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
       for (uint32_t u = u_begin + threadIdx.x; u < u_end; u += kNumMathThreads) {
         const uint32_t t = u / units_per_row, col = (u % units_per_row) * 8;
         const uint32_t off = (t * kRedStride + col) * 4;
