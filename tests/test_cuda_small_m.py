@@ -13,6 +13,7 @@ and the model's cluster capacity against the driver's.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -217,6 +218,9 @@ def test_with_persistent_on_the_model_decides(monkeypatch):
     the cheapest candidate, and it is taken only where it beats the dense model)."""
     monkeypatch.setattr(sm, "PERSISTENT", True)
     monkeypatch.setattr(sm, "PERSISTENT_TILE_US", 0.0)
+    # (the choices are cached per problem and switch: drop what this model computes)
+    monkeypatch.setattr(sm, "_select", functools.lru_cache(maxsize=16)(sm._select.__wrapped__))
+    monkeypatch.setattr(sm, "_declines", functools.lru_cache(maxsize=16)(sm._declines.__wrapped__))
     p = problem(1, 32768, 512)
     cfg = sm.SMALL_M.select_config(p, H200)
     assert cfg.persistent and cfg == sm.SMALL_M.candidate_configs(p, H200)[0]
