@@ -29,20 +29,23 @@ from .sm90_fp8_gemm_1d2d import BAND_SIZE, LOAD_WEIGHT, MIN_STAGES, mma_efficien
 __all__ = ["Sm90Config1d1d", "Sm90Fp8Gemm1d1d", "Sm90KGroupedFp8Gemm1d1d", "DENSE", "K_GROUPED",
            "smem_bytes", "max_stages",
            "num_threads", "tile_cost", "candidate_tiles", "kernel_source", "compile_kernel",
-           "BLOCK_K", "BLOCK_M_CHOICES", "BLOCK_N_CHOICES", "TALL_BLOCK_N_CHOICES", "launcher"]
+           "BLOCK_K", "BLOCK_M_CHOICES", "BLOCK_N_CHOICES", "K_GROUPED_BLOCK_N_CHOICES",
+           "ODD_N_MAX_BLOCK_N", "TALL_BLOCK_N_CHOICES", "launcher"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 # NOTE: one k-block is one scale block of both operands: partial sums are promoted every 128 of K.
 BLOCK_K = SCALE_BLOCK
 BLOCK_M_CHOICES = (64, 128)
 # NOTE: each math thread holds the wgmma accumulator and the FP32 sums (BLOCK_N/2 floats each) and
-# the stage's B scales of its columns (BLOCK_N/4). With two math warpgroups (232 registers each)
-# 176 is the widest tile ptxas compiles without spills (184 spills 84 bytes, 192 212 bytes); one
-# warpgroup (256 registers) takes 192 (200 spills). wgmma's 256 would need 256 registers for the
-# two accumulators alone.
+# the stage's B scales of its columns (BLOCK_N/4), loaded before the wgmma is issued. With two
+# math warpgroups (232 registers each) 176 is the widest tile ptxas compiles without spills for
+# an even N (184 spills 84 bytes); an odd N (single-float stores) and the k-grouped walk keep a
+# few more registers live, and there 176 spills 12 and 4 bytes: 168. One warpgroup (256
+# registers) takes 192 (200 spills), 184 k-grouped (192 spills 12 bytes). wgmma's 256 would need
+# 256 registers for the two accumulators alone.
 BLOCK_N_CHOICES = {128: tuple(range(16, 177, 8)), 64: tuple(range(16, 193, 8))}
-# The k-grouped walk keeps a few more registers live: 64x192 spills 12 bytes there, 64x184 none.
-K_GROUPED_BLOCK_N_CHOICES = {128: BLOCK_N_CHOICES[128], 64: tuple(range(16, 185, 8))}
+K_GROUPED_BLOCK_N_CHOICES = {128: tuple(range(16, 169, 8)), 64: tuple(range(16, 185, 8))}
+ODD_N_MAX_BLOCK_N = {128: 168, 64: 192}
 # NOTE: BLOCK_M = 256 runs two waves of 128 rows per k-block through the one accumulator (as the
 # 1D2D family's 256-row tiles): a k-block's loads feed twice the FLOPs of 128 rows (256x120 reads
 # 6.1 bytes of A and B per 1000 FLOPs, 128x128 7.8). Each thread then holds both waves' FP32 sums,
@@ -71,6 +74,16 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # goes"). A config may still ask for them.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
+# NOTE: a k-block costs the math warps a fixed part besides its wgmma (the full barrier's wait,
+# the scale loads, the promotion waiting for the last wgmma), which a wider tile spreads over more
+# columns. On the H200 a wave of 128-row tiles took a + b * ceil(BLOCK_N / 32) for widths 128-176
+# (a / b = 4.6 at 24576x1536x4096, 3.4 at 4096x7168x4096). With it the model takes 128x160 for
+# five of the six DeepSeek-V3 weight gradients and 128x176 for 32768x512 (three n-blocks, not
+# four); against 128x128 in one run they took 4-14 % less time at 4096 tokens (7168x2048
+# 149.7 us against 155.1, 2112x7168 149.1 against 169.7). Tiles up to 128 wide keep the 1D2D
+# model: with the fixed part added there the model took fewer, larger tiles for small weight
+# gradients (256x256, 300x500, 130x2112, 1000x576 at 4096 tokens), which ran 8-19 % slower.
+KBLOCK_FIXED_STEPS = 4
 # NOTE: A may be e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2,
 # X^T e4m3): one more wgmma type (`.e5m2.e4m3`), the same pipeline.
 A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -126,12 +139,17 @@ class Sm90Config1d1d:
 
 # --- heuristic -------------------------------------------------------------------------------------
 def tile_cost(block_m: int, block_n: int, two_accum: bool = False) -> float:
-    """Modelled time of one tile per unit of K: max(MMA, loads), in FLOP units. The tensor-core
-    rate and the load weight are the 1D2D family's measured model (sm90_fp8_gemm_1d2d: one math
-    warpgroup at 0.4 of two, N in steps of 32, tiles past 128 wide at 0.96); with one
-    accumulator the promotion is not overlapped (SERIAL_PROMOTION_EFFICIENCY, charged where
-    PICK_TWO_ACCUM offers the two-accumulator kernel beside it)."""
-    mma = 2 * block_m * block_n / mma_efficiency(block_m, block_n)
+    """Modelled time of one tile per unit of K: max(MMA, loads), in FLOP units. Up to 128 wide
+    the tensor-core rate and the load weight are the 1D2D family's measured model
+    (sm90_fp8_gemm_1d2d: one math warpgroup at 0.4 of two, N in steps of 32); a wider tile costs
+    the 128-wide one times its wgmma's 32-column steps plus KBLOCK_FIXED_STEPS over 4 plus them
+    (measured on these kernels). With one accumulator the promotion is not overlapped
+    (SERIAL_PROMOTION_EFFICIENCY, charged where PICK_TWO_ACCUM offers the two-accumulator kernel
+    beside it)."""
+    narrow = min(block_n, 128)
+    mma = 2 * block_m * narrow / mma_efficiency(block_m, narrow)
+    if block_n > 128:
+        mma *= (ceil_div(block_n, 32) + KBLOCK_FIXED_STEPS) / (128 // 32 + KBLOCK_FIXED_STEPS)
     if PICK_TWO_ACCUM and not two_accum:
         mma /= SERIAL_PROMOTION_EFFICIENCY
     return max(mma, LOAD_WEIGHT * (block_m + block_n))
@@ -161,6 +179,8 @@ def candidate_tiles(m: int, n: int, facts: DeviceFacts, groups: int = 1,
         for bn in choices[bm]:
             if bn > align(n, 8) and bn != choices[bm][0]:
                 continue  # wider than N: only zero columns
+            if n % 2 and bn > ODD_N_MAX_BLOCK_N[bm]:
+                continue
             stages = max_stages(bm, bn, facts.smem_per_block)
             if stages == 0:
                 continue
