@@ -192,15 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape}: {fam.name} does not run it: {why}", flush=True)
             continue
         ref = reference_output(data)
+        base = fam.select_config(problem, facts)
         candidates = fam.candidate_configs(problem, facts)
-        try:
-            base = fam.select_config(problem, facts)
-        except ValueError as e:  # (no config the heuristic considers: its other candidates)
-            if not candidates:
-                print(f"{shape}: {fam.name} has no config: {e}", flush=True)
-                continue
-            base = candidates[0]
-            print(f"{shape}: {e}; base is its first candidate, {base}", flush=True)
         max_stages = max(c.num_stages for c in candidates + [base])
         configs = {}  # name -> config, each config once
         for spec in specs:

@@ -13,7 +13,6 @@ and the model's cluster capacity against the driver's.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -181,59 +180,8 @@ def test_fewer_sms_shrink_the_grid():
 
 
 def test_select_config_raises_without_a_one_wave_config():
-    with pytest.raises(ValueError, match="one wave"):
+    with pytest.raises(ValueError, match="one-wave"):
         sm.SMALL_M.select_config(problem(256, 7168, 2048), H200)
-
-
-def test_persistent_configs_are_offered_but_not_chosen():
-    """Where no one-wave config exists (N = 32768 or 24576 at decode) the family offers one
-    persistent config per token tile (one split, a CTA per SM), for scripts/cuda_tiles.py to time;
-    while sm.PERSISTENT is off the heuristic neither selects nor counts them."""
-    for m, n, k in [(1, 32768, 512), (64, 24576, 1536), (200, 7168, 2048)]:
-        p = problem(m, n, k)
-        offered = sm.SMALL_M.candidate_configs(p, H200)
-        persistent = [c for c in offered if c.persistent]
-        assert persistent and all(c.num_splits == 1 and c.grid == H200.num_sms
-                                  and c.num_stages % 2 == 0 and c.smem(k) <= H200.smem_per_block
-                                  for c in persistent), offered
-        assert sm.SMALL_M.declines(p, H200) is not None
-        assert chosen(m, n, k) is dense.DENSE
-    # The ring of a persistent CTA runs on across tiles: not capped at the k-blocks of one tile.
-    assert sm.max_stages(8, 1, 512, H200.smem_per_block, persistent=True) == sm.MAX_STAGES
-    assert sm.max_stages(8, 1, 512, H200.smem_per_block) == 4
-
-
-def test_persistent_model():
-    """More tiles per CTA cost more; never below the memory floor; the per-tile overhead counts."""
-    few = sm.persistent_estimate_us(1, 32768, 512, 8, 132)
-    many = sm.persistent_estimate_us(1, 32768, 512, 8, 66)
-    assert many > few >= sm.FIXED_US + sm.dram_us(1, 32768, 512)
-    tiles_per_cta = ceil_div(ceil_div(32768, sm.BLOCK_N), 132)
-    assert few == pytest.approx(sm.FIXED_US + tiles_per_cta * (
-        sm.stream_us(1, 8, 4) + sm.PERSISTENT_TILE_US), abs=1e-3)
-
-
-def test_with_persistent_on_the_model_decides(monkeypatch):
-    """sm.PERSISTENT on: persistent configs compete in the model like the others (the choice is
-    the cheapest candidate, and it is taken only where it beats the dense model)."""
-    monkeypatch.setattr(sm, "PERSISTENT", True)
-    monkeypatch.setattr(sm, "PERSISTENT_TILE_US", 0.0)
-    # (the choices are cached per problem and switch: drop what this model computes)
-    monkeypatch.setattr(sm, "_select", functools.lru_cache(maxsize=16)(sm._select.__wrapped__))
-    monkeypatch.setattr(sm, "_declines", functools.lru_cache(maxsize=16)(sm._declines.__wrapped__))
-    p = problem(1, 32768, 512)
-    cfg = sm.SMALL_M.select_config(p, H200)
-    assert cfg.persistent and cfg == sm.SMALL_M.candidate_configs(p, H200)[0]
-    best = sm.candidates(1, 32768, 512, H200, True)[0]
-    assert (sm.SMALL_M.declines(p, H200) is None) == (
-        best.us < sm.WIN_FACTOR * sm.dense_estimate_us(p, H200))
-
-
-def test_plan_rejects_a_persistent_split():
-    with pytest.raises(ValueError, match="persistent"):
-        sm.SmallMPlan(problem(1, 32768, 512), 0, sm.SmallMConfig(8, 2, 16, 132, persistent=True))
-    with pytest.raises(ValueError, match="persistent"):
-        sm.SmallMPlan(problem(1, 2112, 512), 0, sm.SmallMConfig(8, 1, 16, 34, persistent=True))
 
 
 def test_plan_rejects_an_inconsistent_grid():
@@ -279,17 +227,6 @@ def _cuobjdump():
     return tool
 
 
-# Persistent configs (not chosen by the heuristic while sm.PERSISTENT is off): the widest-N decode
-# shapes at the deepest ring, the widest token tile, and an odd k-block count (K = 320: the
-# warpgroups swap parities from tile to tile) with a ring of two stages.
-PERSISTENT_VARIANTS = [
-    (32768, 512, sm.SmallMConfig(8, 1, 16, 132, persistent=True)),
-    (24576, 1536, sm.SmallMConfig(64, 1, 8, 132, persistent=True)),
-    (2112, 320, sm.SmallMConfig(128, 1, 6, 5, persistent=True)),
-    (2112, 320, sm.SmallMConfig(104, 1, 2, 5, persistent=True)),
-]
-
-
 def _variants():
     """(N, K, config) of every kernel the heuristic picks on the table (H200, H100 PCIe), and the
     extremes it may pick elsewhere: the widest token tile with the largest split, the narrowest
@@ -303,8 +240,6 @@ def _variants():
         stages = sm.max_stages(bm, splits, k, H200.smem_per_block)
         seen.setdefault((n, k, sm.SmallMConfig(bm, splits, stages, 1)), None)
     seen.setdefault((576, 7168, sm.SmallMConfig(64, 2, 2, 1)), None)
-    for n, k, cfg in PERSISTENT_VARIANTS:
-        seen.setdefault((n, k, cfg), None)
     return list(seen)
 
 
@@ -529,26 +464,3 @@ def test_model_cluster_slots_fit_the_device(gpu_device):
         err, count = cu.cuOccupancyMaxActiveClusters(func, lc)
         assert err == cu.CUresult.CUDA_SUCCESS, err
         assert sm.cluster_slots(splits, facts.num_sms) <= count, (splits, count)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,bm,stages,grid", [
-    (1, 32768, 512, 8, 16, 132), (37, 24576, 1536, 40, 8, 132), (200, 2112, 320, 104, 2, 5),
-    (200, 2112, 320, 128, 6, 5), (7, 576, 7168, 8, 4, 4), (129, 56, 1040, 72, 2, 1)],
-    ids=lambda v: str(v))
-def test_persistent_configs(m, n, k, bm, stages, grid, gpu_device):
-    """CTAs walking several tiles (odd k-block counts swap the warpgroups' parities from tile to
-    tile; one CTA walks every tile; N below one tile of B; a K tail): every element written,
-    against float64, the same bits on every run."""
-    cfg = sm.SmallMConfig(bm, 1, stages, grid, persistent=True)
-    a, sa, b, sb = operands(m, n, k, gpu_device)
-    first = run_config(cfg, a, sa, b, sb)
-    torch.cuda.synchronize()
-    what = f"{m}x{n}x{k} {cfg}"
-    assert not torch.isnan(first).any(), f"{what}: elements never written"
-    diff = calc_diff(first, ref_gemm(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK))
-    assert diff < TOL_BF16, f"{what}: calc_diff {diff:.3g}"
-    for _ in range(3):
-        again = run_config(cfg, a, sa, b, sb)
-        torch.cuda.synchronize()
-        assert torch.equal(first.view(torch.int16), again.view(torch.int16)), what

@@ -5,8 +5,7 @@ Kernel: include/fp8gemm/sm90_fp8_gemm_small_m.cuh. N, K, the token tile, the spl
 stages are compile-time constants; M is a kernel argument. One CTA per (tile, split), one wave:
 a tile is 64 rows of B (wgmma's 64-row side) by `block_m` tokens (wgmma's N, 8..128); the
 `num_splits` CTAs of a cluster share its K range and sum their FP32 partial tiles in rank order
-through distributed shared memory. A persistent config (one split; more tiles than SMs, N =
-24576 or 32768 at decode) runs `grid` CTAs that walk the tiles.
+through distributed shared memory.
 
 The family sits before the dense one in the backend's table and takes only the problems its
 model says it runs faster (`declines`); everything else stays with `sm90_fp8_gemm_1d2d`.
@@ -28,10 +27,9 @@ from . import sm90_fp8_gemm_1d2d as dense
 from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "stage_bytes",
-           "stage_target", "max_stages", "cluster_slots", "token_tiles", "stream_us", "estimate_us",
-           "persistent_estimate_us", "dense_estimate_us", "candidates", "kernel_source",
-           "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M", "MAX_BLOCK_M", "MAX_SPLITS",
-           "NUM_THREADS"]
+           "stage_target", "max_stages", "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "candidates",
+           "kernel_source", "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M",
+           "MAX_BLOCK_M", "MAX_SPLITS", "NUM_THREADS"]
 
 BLOCK_K = SCALE_BLOCK
 # NOTE: rows of B per tile: wgmma's M is 64, and B's 128-row scale blocks hold two such tiles, so
@@ -82,15 +80,6 @@ SM_FLOPS_PER_US = 1480e6 / 132
 DRAM_BYTES_PER_US = 4.25e6
 FIXED_US = 4.0
 SPLIT_US = 0.5
-# - PERSISTENT_TILE_US: a persistent CTA's cost per tile beyond its stream (the reduction of the
-#   two warpgroups' sums in shared memory, the stores, two barriers); an estimate, large enough
-#   that the model takes persistent configs nowhere on the DeepSeek-V3 shapes until it is fitted
-#   on the H200 (scripts/cuda_tiles.py --family sm90_fp8_gemm_1d2d_small_m on N = 24576, 32768).
-PERSISTENT_TILE_US = 1.0
-# NOTE: persistent configs (kernel template kPersistent) compile clean, but no GPU has run them
-# yet: until then the heuristic does not consider them (they stay in `candidate_configs`, which
-# scripts/cuda_tiles.py --sweep times and checks).
-PERSISTENT = False
 # NOTE: the CTAs of a cluster must share a GPC. The H100/H200 GPCs hold 14-18 SMs (8 of them for
 # 132 SMs; harvesting varies per chip), so clusters of more than 2 leave SMs idle. The H200's
 # driver (cuOccupancyMaxActiveClusters) runs 22 clusters of 5 CTAs (110 SMs) and 17 of 6 (102):
@@ -135,14 +124,10 @@ def stage_target(block_m: int) -> int:
     return min(MAX_STAGES, max(BASE_STAGES, IN_FLIGHT_BYTES // stage_bytes(block_m)))
 
 
-def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int,
-               persistent: bool = False) -> int:
+def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int) -> int:
     """The deepest even pipeline up to `stage_target` that fits `smem_limit` bytes, at most one
-    stage per k-block of a split unless `persistent` (its ring runs on into the next tile)
-    (rounded down to even; 0: none fits)."""
-    top = stage_target(block_m)
-    if not persistent:
-        top = max(MIN_STAGES, min(top, ceil_div(ceil_div(k, BLOCK_K), num_splits)))
+    stage per k-block of a split (rounded down to even; 0: none fits)."""
+    top = max(MIN_STAGES, min(stage_target(block_m), ceil_div(ceil_div(k, BLOCK_K), num_splits)))
     for s in range(top - top % 2, MIN_STAGES - 1, -2):
         if smem_bytes(block_m, num_splits, s, k) <= smem_limit:
             return s
@@ -151,14 +136,12 @@ def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int,
 
 @dataclass(frozen=True)
 class SmallMConfig:
-    """One instance of the small-M kernel and its launch: one CTA per tile and split, or with
-    `persistent` (one split) `grid` CTAs that walk the tiles."""
+    """One instance of the small-M kernel and its launch (one CTA per tile and split)."""
 
     block_m: int  # tokens per tile: wgmma's N
     num_splits: int  # CTAs per cluster, each over a contiguous range of the k-blocks
     num_stages: int
-    grid: int  # CTAs: tiles x num_splits (persistent: at most the tiles)
-    persistent: bool = False
+    grid: int  # CTAs: tiles x num_splits
 
     @property
     def block_n(self) -> int:
@@ -175,7 +158,7 @@ class SmallMConfig:
     def __str__(self) -> str:
         return (f"swap-AB BLOCK {BLOCK_N}(N)x{self.block_m}(M)x{BLOCK_K} split-K={self.num_splits} "
                 f"stages={self.num_stages} grid={self.grid} cluster={self.num_splits} "
-                f"threads={NUM_THREADS}{' persistent' if self.persistent else ''}")
+                f"threads={NUM_THREADS}")
 
 
 def token_tiles(m: int) -> tuple[int, ...]:
@@ -194,28 +177,16 @@ def dram_us(m: int, n: int, k: int) -> float:
     return (n * k + m * k + 2 * m * n) / DRAM_BYTES_PER_US
 
 
-def stream_us(m: int, block_m: int, num_kb: int) -> float:
-    """Modelled time of one CTA streaming `num_kb` k-blocks of a tile (see the cost model)."""
-    a_rows = min(block_m, m)
-    mma = 2 * BLOCK_N * block_m / (block_m / align(block_m, 32))
-    per_k = max(mma, dense.LOAD_WEIGHT * (BLOCK_N + a_rows))
-    return num_kb * BLOCK_K * per_k / SM_FLOPS_PER_US
-
-
 def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int) -> float:
     """Modelled time of the small-M kernel (the cost model above), rounded so that configs the
     model prices alike tie exactly and the tie-breaks decide."""
-    cta = stream_us(m, block_m, ceil_div(ceil_div(k, BLOCK_K), num_splits))
+    a_rows = min(block_m, m)
+    mma = 2 * BLOCK_N * block_m / (block_m / align(block_m, 32))
+    per_k = max(mma, dense.LOAD_WEIGHT * (BLOCK_N + a_rows))
+    kb = ceil_div(ceil_div(k, BLOCK_K), num_splits)
+    cta = kb * BLOCK_K * per_k / SM_FLOPS_PER_US
     split = SPLIT_US if num_splits > 1 else 0.0
     return round(FIXED_US + max(dram_us(m, n, k), cta) + split, 3)
-
-
-def persistent_estimate_us(m: int, n: int, k: int, block_m: int, grid: int) -> float:
-    """The model for a persistent config: each of `grid` CTAs walks ceil(tiles / grid) tiles of
-    all of K, PERSISTENT_TILE_US per tile on top of its stream."""
-    tiles = ceil_div(m, block_m) * ceil_div(n, BLOCK_N)
-    cta = ceil_div(tiles, grid) * (stream_us(m, block_m, ceil_div(k, BLOCK_K)) + PERSISTENT_TILE_US)
-    return round(FIXED_US + max(dram_us(m, n, k), cta), 3)
 
 
 def dense_estimate_us(problem: GemmProblem, facts: DeviceFacts) -> float:
@@ -236,21 +207,13 @@ class Candidate:
     us: float  # estimate_us
 
 
-def candidates(m: int, n: int, k: int, facts: DeviceFacts,
-               persistent: bool = False) -> list[Candidate]:
-    """Every one-wave config that fits shared memory (with `persistent` also one persistent
-    config per token tile with more tiles than SMs), with its modelled time, best first: least
-    time; among equals fewer splits (less reduction), then fewer tiles."""
+def candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
+    """Every one-wave config that fits shared memory, with its modelled time, best first:
+    least time; among equals fewer splits (less reduction), then fewer tiles."""
     out = []
     num_kb = ceil_div(k, BLOCK_K)
     for bm in token_tiles(m):
         tiles = ceil_div(m, bm) * ceil_div(n, BLOCK_N)
-        if persistent and tiles > facts.num_sms:
-            stages = max_stages(bm, 1, k, facts.smem_per_block, persistent=True)
-            if stages:
-                cfg = SmallMConfig(bm, 1, stages, facts.num_sms, persistent=True)
-                out.append(Candidate(cfg, tiles,
-                                     persistent_estimate_us(m, n, k, bm, facts.num_sms)))
         for splits in range(1, min(MAX_SPLITS, num_kb) + 1):
             if tiles > cluster_slots(splits, facts.num_sms):
                 continue
@@ -264,17 +227,16 @@ def candidates(m: int, n: int, k: int, facts: DeviceFacts,
 
 
 @functools.lru_cache(maxsize=4096)
-def _select(m: int, n: int, k: int, facts: DeviceFacts, persistent: bool) -> SmallMConfig | None:
-    cands = candidates(m, n, k, facts, persistent)
+def _select(m: int, n: int, k: int, facts: DeviceFacts) -> SmallMConfig | None:
+    cands = candidates(m, n, k, facts)
     return cands[0].config if cands else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _declines(problem: GemmProblem, facts: DeviceFacts, persistent: bool) -> str | None:
-    cands = candidates(problem.m, problem.n, problem.k, facts, persistent)
+def _declines(problem: GemmProblem, facts: DeviceFacts) -> str | None:
+    cands = candidates(problem.m, problem.n, problem.k, facts)
     if not cands:
-        return ("no config fits shared memory" if persistent else
-                f"no config fits one wave of {facts.num_sms} SMs (N/{BLOCK_N} x M/"
+        return (f"no config fits one wave of {facts.num_sms} SMs (N/{BLOCK_N} x M/"
                 f"{MAX_BLOCK_M} tiles, at least one cluster each)")
     mine, theirs = cands[0].us, dense_estimate_us(problem, facts)
     if mine >= WIN_FACTOR * theirs:
@@ -287,7 +249,7 @@ def kernel_source(n: int, k: int, cfg: SmallMConfig) -> tuple[str, str]:
     """(source, name expression) of the kernel instance for (N, K, config)."""
     source = "#include <fp8gemm/sm90_fp8_gemm_small_m.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_small_m_kernel<{n}, {k}, {cfg.block_m}, "
-            f"{cfg.num_splits}, {cfg.num_stages}, {'true' if cfg.persistent else 'false'}>")
+            f"{cfg.num_splits}, {cfg.num_stages}>")
     return source, name
 
 
@@ -309,11 +271,7 @@ class SmallMPlan:
         self.sm_override = num_sms_override()
         self.cfg, self.m, self.n, self.k = cfg, problem.m, problem.n, problem.k
         tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, BLOCK_N)
-        if cfg.persistent:
-            if cfg.num_splits != 1 or not 1 <= cfg.grid <= tiles:
-                raise ValueError(f"config {cfg}: a persistent config has one split and a grid "
-                                 f"of 1..{tiles} CTAs (the tiles)")
-        elif cfg.grid != tiles * cfg.num_splits or not 1 <= cfg.num_splits <= MAX_SPLITS \
+        if cfg.grid != tiles * cfg.num_splits or not 1 <= cfg.num_splits <= MAX_SPLITS \
                 or cfg.num_splits > ceil_div(problem.k, BLOCK_K):
             raise ValueError(f"config {cfg}: grid must be tiles x splits = {tiles} x "
                              f"{cfg.num_splits}, with 1..{MAX_SPLITS} splits of at least one "
@@ -410,22 +368,18 @@ class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
         return None
 
     def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
-        return _declines(problem, facts, PERSISTENT)
+        return _declines(problem, facts)
 
     def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> SmallMConfig:
-        cfg = _select(problem.m, problem.n, problem.k, facts, PERSISTENT)
+        cfg = _select(problem.m, problem.n, problem.k, facts)
         if cfg is None:
-            raise ValueError(f"{self.name} has no config for {problem} on {facts.num_sms} SMs: "
-                             f"{_declines(problem, facts, PERSISTENT)}")
+            raise ValueError(f"{self.name} has no one-wave config for {problem} on "
+                             f"{facts.num_sms} SMs: {_declines(problem, facts)}")
         return cfg
 
     def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[SmallMConfig]:
-        """Every config that fits: the heuristic's candidates (the chosen one first), then the
-        persistent ones it does not consider while PERSISTENT is off."""
-        m, n, k = problem.m, problem.n, problem.k
-        chosen = [c.config for c in candidates(m, n, k, facts, PERSISTENT)]
-        return chosen + [c.config for c in candidates(m, n, k, facts, True)
-                         if c.config not in chosen]
+        """Every one-wave config that fits, the chosen one first."""
+        return [c.config for c in candidates(problem.m, problem.n, problem.k, facts)]
 
     def config_for(self, problem: GemmProblem, device: torch.device) -> SmallMConfig:
         return self.select_config(problem, DeviceFacts.of(device))

@@ -11,9 +11,6 @@
 // Warp-specialised: one TMA producer warpgroup and two math warpgroups, which take alternate
 // k-blocks of the even ring of kNumStages stages (one promotes while the other's wgmma runs)
 // and add their sums, warpgroup 0's first, before the cluster's reduction.
-// kPersistent (one split only): a grid of fewer CTAs than tiles, each walking tiles blockIdx.x,
-// blockIdx.x + gridDim.x, ...; the producer streams the k-blocks of its tiles through the ring
-// without a break, so the next tile's loads run under a tile's reduction and stores.
 #pragma once
 
 #include "sm90_utils.cuh"
@@ -51,7 +48,7 @@ struct Sm90Fp8GemmSmallMLayout {
 };
 
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t kNumSplits,
-          uint32_t kNumStages, bool kPersistent>
+          uint32_t kNumStages>
 __global__ void __launch_bounds__(384, 1)
 sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m,
                                   uint8_t* __restrict__ out, uint32_t ld_out,
@@ -80,7 +77,6 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   static_assert(SHAPE_N % 8 == 0, "16-byte stores of bf16 output rows need N % 8 == 0");
   static_assert(kNumSplits >= 1 && kNumSplits <= 8, "a portable cluster holds at most 8 CTAs");
   static_assert(kNumSplits <= kNumKBlocks, "every split owns at least one k-block");
-  static_assert(!kPersistent || kNumSplits == 1, "a persistent CTA owns whole tiles (no split)");
   // An even ring: each stage feeds one math warpgroup, which has itself consumed the phase
   // before the one it waits for, so its parity wait cannot mistake that phase for its own.
   static_assert(kNumStages >= 2 && kNumStages % 2 == 0, "an even ring of at least 2 stages");
@@ -102,7 +98,6 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   const uint32_t n0 = n_block * BLOCK_N, m0 = m_block * BLOCK_M;
   const uint32_t kb_begin = rank * kNumKBlocks / kNumSplits;
   const uint32_t kb_end = (rank + 1) * kNumKBlocks / kNumSplits;
-  const uint32_t num_tiles = ceil_div(shape_m, BLOCK_M) * kNumNBlocks;  // (kPersistent)
 
   // --- shared-memory carve-up -------------------------------------------------------------------
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -141,23 +136,16 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
       const uint32_t stage_tx_bytes = Layout::kBRows * BLOCK_K + a_rows * BLOCK_K + BLOCK_M * 4;
       uint32_t stage = 0, phase = 0;
-      auto load = [&](uint32_t kb, uint32_t tn0, uint32_t tm0) {
+      for (uint32_t kb = kb_begin; kb < kb_end; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, stage_tx_bytes);
         const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
-        tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, k0, static_cast<int32_t>(tn0));
-        tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, k0, static_cast<int32_t>(tm0));
-        tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, static_cast<int32_t>(tm0),
+        tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, k0, static_cast<int32_t>(n0));
+        tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, k0, static_cast<int32_t>(m0));
+        tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, static_cast<int32_t>(m0),
                     static_cast<int32_t>(kb));
         if (++stage == kNumStages) stage = 0, phase ^= 1;
-      };
-      if constexpr (kPersistent) {
-        for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x)
-          for (uint32_t kb = 0; kb < kNumKBlocks; ++kb)
-            load(kb, (t % kNumNBlocks) * BLOCK_N, (t / kNumNBlocks) * BLOCK_M);
-      } else {
-        for (uint32_t kb = kb_begin; kb < kb_end; ++kb) load(kb, n0, m0);
       }
     }
     // The two cluster barriers of the reduction count every thread of the cluster (this
@@ -179,30 +167,25 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
 
     // B's scales of this CTA's k-blocks (one per k-block: the tile lies in one 128-row block).
     // NOTE: loaded while the first TMA loads are in flight, so the global round trip overlaps.
-    // A persistent CTA reads each k-block's scale from global memory (L2) instead, its tiles
-    // changing n0; the load's latency runs under the k-block's wgmma.
-    if constexpr (!kPersistent) {
-      const float* sb_row = sb + (n0 / 128) * kNumKBlocks + kb_begin;
-      for (uint32_t i = threadIdx.x; i < kb_end - kb_begin; i += kNumMathThreads)
-        smem_sb[i] = __ldg(sb_row + i);
-      named_barrier_sync(1, kNumMathThreads);
-    }
+    const float* sb_row = sb + (n0 / 128) * kNumKBlocks + kb_begin;
+    for (uint32_t i = threadIdx.x; i < kb_end - kb_begin; i += kNumMathThreads)
+      smem_sb[i] = __ldg(sb_row + i);
+    named_barrier_sync(1, kNumMathThreads);
 
     const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
     const uint64_t desc_a0 = make_smem_desc_sw128(smem_a);
     float acc[kNumAccum], fin[kNumAccum];
+#pragma unroll
+    for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
 
-    // Warpgroup w takes every other k-block of the ring's stream: stages w, w + 2, ... of the
-    // even ring, the same stages on every pass (each stage's phase flips once per pass).
+    // Warpgroup w takes k-blocks kb_begin + w, kb_begin + w + 2, ...: stages w, w + 2, ... of
+    // the even ring, the same stages on every pass (each stage's phase flips once per pass).
     uint32_t stage = warpgroup, phase = 0;
-    // One k-block: wait for its stage, wgmma, release the stage, promote with sa * sb. B's
-    // scales: smem_sb, or for a persistent CTA its tile's row of sb in global memory.
-    const float* sb_tile = sb;
-    auto step = [&](uint32_t kb) {
+    for (uint32_t kb = kb_begin + warpgroup; kb < kb_end; kb += 2) {
       mbar_wait(&full_bar[stage], phase);
       // NOTE: the scales are read before the wgmma is waited for, off the critical path, and
       // before the stage is released (the producer may then refill it).
-      const float sbk = kPersistent ? __ldg(sb_tile + kb) : smem_sb[kb - kb_begin];
+      const float sbk = smem_sb[kb - kb_begin];
       float sa_lo[BLOCK_M / 8], sa_hi[BLOCK_M / 8];
       const float* sa_stage = smem_sa + stage * Layout::kSaStage + c0;
 #pragma unroll
@@ -239,7 +222,7 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       }
       stage += 2;
       if (stage >= kNumStages) stage -= kNumStages, phase ^= 1;
-    };
+    }
 
     // This CTA's partial tile in output orientation, smem_red[token][row of B]: warpgroup 0's
     // sums, then warpgroup 1 adds its own (a fixed order).
@@ -256,85 +239,57 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
         col1[8] = add ? col1[8] + fin[4 * g + 3] : fin[4 * g + 3];
       }
     };
+    if (warpgroup == 0) partial(false);
+    named_barrier_sync(1, kNumMathThreads);
+    if (warpgroup == 1) partial(true);
 
-    // The tile at (tn0, tm0) from the warpgroups' sums: the partial tile, the reduction over the
-    // cluster and the bf16 stores.
-    auto finish = [&](uint32_t tn0, uint32_t tm0) {
-      if (warpgroup == 0) partial(false);
-      named_barrier_sync(1, kNumMathThreads);
-      if (warpgroup == 1) partial(true);
-
-      // NOTE: the arrive releases each math thread's partial-tile stores and the wait acquires
-      // every peer's, at cluster scope: the loads through mapa below see them.
-      if constexpr (kNumSplits > 1) {
-        cluster_arrive_release();
-        cluster_wait_acquire();
-      } else {
-        named_barrier_sync(1, kNumMathThreads);
-      }
-      // Units of 8 output columns (16 bytes of bf16) of one token row, over the tile's rows below
-      // M and columns below N only; CTA `rank` owns the contiguous range [u_begin, u_end) and
-      // sums each unit over ranks 0, 1, ... in order, so every element's sum has the same order
-      // whichever CTA computes it.
-      // NOTE: every unit loaded is stored. A peer's partial tile may be read only while the peer
-      // runs; a load whose value nothing uses does not hold its thread back, so the thread could
-      // pass the closing barrier with it in flight and the peer exit under it.
-      const uint32_t rows = shape_m - tm0 < BLOCK_M ? shape_m - tm0 : BLOCK_M;
-      const uint32_t units_per_row = (SHAPE_N - tn0 < BLOCK_N ? SHAPE_N - tn0 : BLOCK_N) / 8;
-      const uint32_t units = rows * units_per_row;
-      const uint32_t u_begin = rank * units / kNumSplits, u_end = (rank + 1) * units / kNumSplits;
-      const uint32_t red = smem_addr(smem_red);
-      uint32_t peer[kNumSplits];
-#pragma unroll
-      for (uint32_t r = 0; r < kNumSplits; ++r)
-        peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
-      for (uint32_t u = u_begin + threadIdx.x; u < u_end; u += kNumMathThreads) {
-        const uint32_t t = u / units_per_row, col = (u % units_per_row) * 8;
-        const uint32_t off = (t * kRedStride + col) * 4;
-        F32x4 lo[kNumSplits], hi[kNumSplits];
-#pragma unroll
-        for (uint32_t r = 0; r < kNumSplits; ++r) {
-          if constexpr (kNumSplits > 1) {
-            lo[r] = ld_shared_cluster_v4(peer[r] + off);
-            hi[r] = ld_shared_cluster_v4(peer[r] + off + 16);
-          } else {
-            lo[r] = ld_shared_v4f(reinterpret_cast<uint8_t*>(smem_red) + off);
-            hi[r] = ld_shared_v4f(reinterpret_cast<uint8_t*>(smem_red) + off + 16);
-          }
-        }
-#pragma unroll
-        for (uint32_t r = 1; r < kNumSplits; ++r) {
-          lo[0].x += lo[r].x, lo[0].y += lo[r].y, lo[0].z += lo[r].z, lo[0].w += lo[r].w;
-          hi[0].x += hi[r].x, hi[0].y += hi[r].y, hi[0].z += hi[r].z, hi[0].w += hi[r].w;
-        }
-        U32x4 v;
-        v.x = pack_bf16x2(lo[0].x, lo[0].y), v.y = pack_bf16x2(lo[0].z, lo[0].w);
-        v.z = pack_bf16x2(hi[0].x, hi[0].y), v.w = pack_bf16x2(hi[0].z, hi[0].w);
-        st_global_v4(out + (static_cast<uint64_t>(tm0 + t) * ld_out + tn0 + col) * 2, v);
-      }
-    };
-
-    if constexpr (kPersistent) {
-      // The k-blocks of this CTA's tiles form one stream (tile after tile, 0..kNumKBlocks-1
-      // each); warpgroup w takes those of even (w = 0) or odd (w = 1) position in it, so in a
-      // tile whose stream position `base` is odd warpgroup 0 starts at k-block 1.
-      uint32_t base = 0;
-      for (uint32_t t = blockIdx.x; t < num_tiles; t += gridDim.x, base += kNumKBlocks) {
-        const uint32_t tn0 = (t % kNumNBlocks) * BLOCK_N, tm0 = (t / kNumNBlocks) * BLOCK_M;
-        sb_tile = sb + (tn0 / 128) * kNumKBlocks;
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
-        for (uint32_t kb = warpgroup ^ (base & 1); kb < kNumKBlocks; kb += 2) step(kb);
-        finish(tn0, tm0);
-        // smem_red is written again for the next tile only after every thread has stored.
-        named_barrier_sync(1, kNumMathThreads);
-      }
+    // --- reduction over the cluster and bf16 stores ---------------------------------------------
+    // NOTE: the arrive releases each math thread's partial-tile stores and the wait acquires every
+    // peer's, at cluster scope: the loads through mapa below see them.
+    if constexpr (kNumSplits > 1) {
+      cluster_arrive_release();
+      cluster_wait_acquire();
     } else {
+      named_barrier_sync(1, kNumMathThreads);
+    }
+    // Units of 8 output columns (16 bytes of bf16) of one token row, over the tile's rows below M
+    // and columns below N only; CTA `rank` owns the contiguous range [u_begin, u_end) and sums
+    // each unit over ranks 0, 1, ... in order, so every element's sum has the same order
+    // whichever CTA computes it.
+    // NOTE: every unit loaded is stored. A peer's partial tile may be read only while the peer
+    // runs; a load whose value nothing uses does not hold its thread back, so the thread could
+    // pass the closing barrier with it in flight and the peer exit under it.
+    const uint32_t rows = shape_m - m0 < BLOCK_M ? shape_m - m0 : BLOCK_M;
+    const uint32_t units_per_row = (SHAPE_N - n0 < BLOCK_N ? SHAPE_N - n0 : BLOCK_N) / 8;
+    const uint32_t units = rows * units_per_row;
+    const uint32_t u_begin = rank * units / kNumSplits, u_end = (rank + 1) * units / kNumSplits;
+    const uint32_t red = smem_addr(smem_red);
+    uint32_t peer[kNumSplits];
 #pragma unroll
-      for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
-      for (uint32_t kb = kb_begin + warpgroup; kb < kb_end; kb += 2)
-        step(kb);
-      finish(n0, m0);
+    for (uint32_t r = 0; r < kNumSplits; ++r) peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
+    for (uint32_t u = u_begin + threadIdx.x; u < u_end; u += kNumMathThreads) {
+      const uint32_t t = u / units_per_row, col = (u % units_per_row) * 8;
+      const uint32_t off = (t * kRedStride + col) * 4;
+      F32x4 lo[kNumSplits], hi[kNumSplits];
+#pragma unroll
+      for (uint32_t r = 0; r < kNumSplits; ++r) {
+        if constexpr (kNumSplits > 1) {
+          lo[r] = ld_shared_cluster_v4(peer[r] + off);
+          hi[r] = ld_shared_cluster_v4(peer[r] + off + 16);
+        } else {
+          lo[r] = ld_shared_v4f(reinterpret_cast<uint8_t*>(smem_red) + off);
+          hi[r] = ld_shared_v4f(reinterpret_cast<uint8_t*>(smem_red) + off + 16);
+        }
+      }
+#pragma unroll
+      for (uint32_t r = 1; r < kNumSplits; ++r) {
+        lo[0].x += lo[r].x, lo[0].y += lo[r].y, lo[0].z += lo[r].z, lo[0].w += lo[r].w;
+        hi[0].x += hi[r].x, hi[0].y += hi[r].y, hi[0].z += hi[r].z, hi[0].w += hi[r].w;
+      }
+      U32x4 v;
+      v.x = pack_bf16x2(lo[0].x, lo[0].y), v.y = pack_bf16x2(lo[0].z, lo[0].w);
+      v.z = pack_bf16x2(hi[0].x, hi[0].y), v.w = pack_bf16x2(hi[0].z, hi[0].w);
+      st_global_v4(out + (static_cast<uint64_t>(m0 + t) * ld_out + n0 + col) * 2, v);
     }
     // NOTE: no CTA may exit (its shared memory freed) while a peer still reads its partial tile.
     // The loads above have returned their values (the stores used them), so a relaxed arrive
