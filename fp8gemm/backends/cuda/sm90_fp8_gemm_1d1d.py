@@ -39,10 +39,10 @@ BLOCK_M_CHOICES = (64, 128)
 # NOTE: each math thread holds the wgmma accumulator and the FP32 sums (BLOCK_N/2 floats each) and
 # the stage's B scales of its columns (BLOCK_N/4), loaded before the wgmma is issued. With two
 # math warpgroups (232 registers each) 176 is the widest tile ptxas compiles without spills for
-# an even N (184 spills 84 bytes); an odd N (single-float stores) and the k-grouped walk keep a
+# an even N (184 spills 72 bytes); an odd N (single-float stores) and the k-grouped walk keep a
 # few more registers live, and there 176 spills 12 and 4 bytes: 168. One warpgroup (256
-# registers) takes 192 (200 spills), 184 k-grouped (192 spills 12 bytes). wgmma's 256 would need
-# 256 registers for the two accumulators alone.
+# registers) takes 192 (200 spills 56 bytes), 184 k-grouped (192 spills 8). wgmma's 256 would
+# need 256 registers for the two accumulators alone.
 BLOCK_N_CHOICES = {128: tuple(range(16, 177, 8)), 64: tuple(range(16, 193, 8))}
 K_GROUPED_BLOCK_N_CHOICES = {128: tuple(range(16, 169, 8)), 64: tuple(range(16, 185, 8))}
 ODD_N_MAX_BLOCK_N = {128: 168, 64: 192}
@@ -142,8 +142,8 @@ def tile_cost(block_m: int, block_n: int, two_accum: bool = False) -> float:
     """Modelled time of one tile per unit of K: max(MMA, loads), in FLOP units. Up to 128 wide
     the tensor-core rate and the load weight are the 1D2D family's measured model
     (sm90_fp8_gemm_1d2d: one math warpgroup at 0.4 of two, N in steps of 32); a wider tile costs
-    the 128-wide one times its wgmma's 32-column steps plus KBLOCK_FIXED_STEPS over 4 plus them
-    (measured on these kernels). With one accumulator the promotion is not overlapped
+    the 128-wide one x (ceil(BLOCK_N / 32) + KBLOCK_FIXED_STEPS) / (4 + KBLOCK_FIXED_STEPS), as
+    measured on these kernels. With one accumulator the promotion is not overlapped
     (SERIAL_PROMOTION_EFFICIENCY, charged where PICK_TWO_ACCUM offers the two-accumulator kernel
     beside it)."""
     narrow = min(block_n, 128)
