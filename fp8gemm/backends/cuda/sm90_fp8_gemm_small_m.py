@@ -27,7 +27,8 @@ from . import sm90_fp8_gemm_1d2d as dense
 from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "stage_bytes",
-           "stage_target", "max_stages", "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "candidates",
+           "stage_target", "max_stages", "cluster_slots", "token_tiles", "estimate_us",
+           "dense_estimate_us", "candidates",
            "kernel_source", "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M",
            "MAX_BLOCK_M", "MAX_SPLITS", "NUM_THREADS"]
 
