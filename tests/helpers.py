@@ -428,4 +428,10 @@ FORCED_CONFIGS = [
     (37, 1000, 1040, 128, 128, 1, False, True),     # M < 64, K tail of 16
     (130, 576, 16384, 128, 96, 1, False, True),     # long K
     (512, 2048, 1024, 128, 128, 2, False, True),    # with multicast of B
+    (1000, 2112, 1152, 128, 56, 1, False, True),    # narrow, N tail
+    # One math warpgroup with two accumulators.
+    (300, 1088, 7168, 64, 128, 1, False, True),     # 56 k-blocks, M and N tails
+    (100, 576, 320, 64, 16, 1, False, True),        # 3 k-blocks (tail only)
+    (37, 1000, 1040, 64, 96, 1, False, True),       # K tail of 16, N tail
+    (256, 2048, 1152, 64, 64, 2, True, True),       # with multicast of A, a chunk and a tail
 ]

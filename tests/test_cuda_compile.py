@@ -161,10 +161,11 @@ def test_cost_model_matches_h200_measurements():
     # two accumulators (from K = TWO_ACCUM_MIN_K).
     assert g.tile_cost(64, 128) > g.tile_cost(128, 64)
     assert g.tile_cost(256, 128) / 2 < g.tile_cost(128, 128, k=7168) < g.tile_cost(128, 128, k=512)
-    # Two accumulators on 128x128 tiles, where they were measured and compile clean (below).
-    assert g.use_two_accum(128, 128, 7168)
+    # Two accumulators on the one-wave tiles up to 128 wide, where they compile clean (below).
+    assert g.use_two_accum(128, 128, 7168) and g.use_two_accum(64, 32, 512)
+    assert g.use_two_accum(128, 56, 16384) and g.use_two_accum(64, 128, g.TWO_ACCUM_MAX_K)
     assert not g.use_two_accum(128, 128, g.TWO_ACCUM_MAX_K + 128)
-    assert not (g.use_two_accum(256, 128, 7168) or g.use_two_accum(128, 112, 7168))
+    assert not (g.use_two_accum(256, 128, 7168) or g.use_two_accum(128, 136, 7168))
 
 
 def test_small_m_uses_every_sm():
@@ -261,15 +262,20 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
         assert local and max(map(int, local)) == 0, res
 
 
-def test_two_accum_compiles_clean_over_its_k_range(tmp_path, monkeypatch):
-    """use_two_accum admits 128x128 up to TWO_ACCUM_MAX_K: no spills, no serialised wgmma at K
-    steps across that range (ptxas spilled at K = 65536)."""
+@pytest.mark.parametrize("bm,bn,ks", [
+    (128, 128, (512, 7168, 16384, 32768)),  # (TWO_ACCUM_MAX_K: every tile below)
+    (128, 96, (7168,)), (128, 120, (32768,)), (128, 8, (7168,)),
+    (64, 128, (512,)), (64, 96, (7168,)), (64, 8, (16384,))])
+def test_two_accum_compiles_clean_over_its_k_range(bm, bn, ks, tmp_path, monkeypatch):
+    """use_two_accum admits one-wave tiles up to 128 wide and K = TWO_ACCUM_MAX_K: no spills, no
+    serialised wgmma at K steps across that range (128x128 spilled at K = 65536; 96 wide spilled
+    2-3 KB when the promotion took a constant split in each k-block)."""
     compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
-    for k in (512, 7168, 16384, 32768, g.TWO_ACCUM_MAX_K):
-        assert g.use_two_accum(128, 128, k)
-        stages = g.max_stages(128, 128, k, H200.smem_per_block)
-        cfg = g.Sm90Config(128, 128, stages, 1, True, g.BAND_SIZE, 132, True)
+    for k in ks + (g.TWO_ACCUM_MAX_K,):
+        assert g.use_two_accum(bm, bn, k)
+        stages = g.max_stages(bm, bn, k, H200.smem_per_block)
+        cfg = g.Sm90Config(bm, bn, stages, 1, True, g.BAND_SIZE, 132, True)
         log = g.compile_kernel(GemmKind.DENSE, 7168, k, cfg)[1].log
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
         if not spills:

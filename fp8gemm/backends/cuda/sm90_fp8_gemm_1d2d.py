@@ -56,8 +56,8 @@ BAND_SIZE = 16
 #   compete). BLOCK_M = 256 (two 128-row waves per k-block) ran 3-11 % faster per FLOP than 128
 #   at equal wave counts on the six M = 4096 suite shapes: 1.06. Tiles wider than 128: 0.96 at
 #   BLOCK_M <= 128, 1.02 at 256 (256x136 ran 0.87x 256x128's per-FLOP rate; 136/160 alone says
-#   0.85). Two wgmma accumulators in flight on 128x128 (use_two_accum), with the epilogue under
-#   the next tile's first wgmma: 256x128 still ran 2-5 % faster at equal waves on the M = 4096
+#   0.85). Two wgmma accumulators in flight (use_two_accum), with the epilogue under the next
+#   tile's first wgmma: on 128x128, 256x128 still ran 2-5 % faster at equal waves on the M = 4096
 #   shapes, so the two accumulators' tile costs / 1.02 at K >= 1024.
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
@@ -83,11 +83,13 @@ MAX_K = 131072
 
 
 def use_two_accum(block_m: int, block_n: int, k: int) -> bool:
-    """Two accumulators in flight (and the epilogue under the next tile's first wgmma): on 128x128
-    tiles up to K = TWO_ACCUM_MAX_K. The kernel takes any BLOCK_N <= 128 with BLOCK_M = 128, but
-    ptxas spills for some (128x120; 128x112 from K = 32768; 128x128 at K = 65536), and against
-    one accumulator narrow tiles measured within +-4 % on the H200 while 128x128 gained 3-7 %. tests/test_cuda_compile.py compiles every K step of this range."""
-    return (block_m, block_n) == (128, 128) and k <= TWO_ACCUM_MAX_K
+    """Two accumulators in flight (and the epilogue under the next tile's first wgmma): every tile
+    of one wave (BLOCK_M 64 or 128) up to 128 wide, up to K = TWO_ACCUM_MAX_K (128x128 spilled at
+    K = 65536). Against one accumulator on the H200, same run: 128x128 3-7 % faster, 128x64 3-4 %,
+    128x56 1-2 %, 128x96 +-1 %; one math warpgroup, which otherwise leaves the tensor cores idle
+    while it promotes: 64x32 to 64x128 3-9 % faster (M = 64 suite shapes, K 512 to 7168).
+    tests/test_cuda_compile.py compiles the range clean."""
+    return block_m <= 128 and block_n <= 128 and k <= TWO_ACCUM_MAX_K
 
 
 def mma_efficiency(block_m: int, block_n: int) -> float:
@@ -151,7 +153,7 @@ class Sm90Config:
     multicast_on_a: bool  # which operand the cluster shares (meaningful when num_multicast == 2)
     band_size: int
     grid: int  # persistent CTAs
-    two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M 128, BLOCK_N <= 128)
+    two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M <= 128, BLOCK_N <= 128)
     # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
     # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
     splits: int = 1

@@ -28,6 +28,48 @@ __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
   return (n & (~n + 1)) < 128 ? (n & (~n + 1)) : 128;
 }
 
+// Promotion of one wgmma accumulator (rows r and r + 8) into the FP32 sums, fin += acc * sa * sb:
+// the 8-column groups [0, num_first) take the first 128-wide B-scale block's sb0, the rest sb1.
+// num_first = (128 - n0 % 128) / 8, clipped to BLOCK_N / 8.
+// NOTE: with num_first a run-time value, ptxas selects and multiplies out each group's scale
+// (about 100 instructions a k-block at BLOCK_N = 160) and places them between the k-block's
+// first and second wgmma, where they wait for the scale loads. n0 is a multiple of BLOCK_N, so
+// n0 % 128 is a multiple of kStep = pow2_factor_128(BLOCK_N): where that leaves at most 4
+// values, a binary search over them ([kLo, kHi]) runs the instance whose split is a constant,
+// 4 products. On the H200 that made 128x160 tiles 4-6 % faster and 128x192 10 % (grouped, M =
+// 32768); 16 instances (256x136) ran 5 % slower than the selects, 8 (128x144) 1 %. kConstSplit
+// false keeps the selects: with two accumulators the instances of each unrolled k-block made
+// ptxas spill (2-3 KB at 96 wide).
+template <uint32_t BLOCK_N, bool kConstSplit, uint32_t kLo = 0,
+          uint32_t kHi = 128 - pow2_factor_128(BLOCK_N), uint32_t kNumAccum>
+__device__ __forceinline__ void promote_sums(uint32_t num_first, float* fin,
+                                             float (&acc)[kNumAccum], float sa0, float sa1,
+                                             float sb0, float sb1) {
+  constexpr uint32_t kStep = pow2_factor_128(BLOCK_N);
+  constexpr bool kSelect = kStep < 32 || !kConstSplit;
+  if constexpr (kSelect || kLo == kHi) {
+    // (kLo == kHi: the split is known; kSelect: it is not, and kFirst is unused)
+    constexpr uint32_t kFirst = (128 - kLo) / 8 < BLOCK_N / 8 ? (128 - kLo) / 8 : BLOCK_N / 8;
+    const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+#pragma unroll
+    for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+      const bool first = kSelect ? g < num_first : g < kFirst;
+      const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
+      fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
+      fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
+      fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
+      fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
+    }
+  } else {
+    // kMid: the lowest n0 % 128 of the upper half; n0 % 128 >= kMid <=> num_first <= (128 - kMid) / 8
+    constexpr uint32_t kMid = kLo + ((kHi - kLo) / kStep + 1) / 2 * kStep;
+    if (num_first <= (128 - kMid) / 8)
+      promote_sums<BLOCK_N, kConstSplit, kMid, kHi>(num_first, fin, acc, sa0, sa1, sb0, sb1);
+    else
+      promote_sums<BLOCK_N, kConstSplit, kLo, kMid - kStep>(num_first, fin, acc, sa0, sa1, sb0, sb1);
+  }
+}
+
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages>
 struct Sm90Fp8Gemm1d2dLayout {
@@ -124,7 +166,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
   // NOTE: kTwoAccum: two wgmma accumulators per thread; the wgmma of k-block kb + 1 is issued
   // before the wait for kb, so each warpgroup keeps one wgmma group queued while it promotes, and
-  // a tile's epilogue runs under the next tile's first wgmma group.
+  // a tile's epilogue runs under the next tile's first wgmma group. With one math warpgroup
+  // (BLOCK_M = 64) nothing else feeds the tensor cores while it promotes.
   constexpr uint32_t kKChunk = 8;
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold two or three BLOCK_N/2 float arrays per thread. 128 * 40 + 256 * 232
@@ -154,9 +197,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(kKind == kKindDense || !kHasC, "C is a dense kernel's input");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
-  static_assert(!kTwoAccum || (BLOCK_M == 128 && BLOCK_N <= 128),
-                "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave "
-                "(one math warpgroup spills with the epilogue under the next tile's wgmma)");
+  static_assert(!kTwoAccum || (BLOCK_M <= 128 && BLOCK_N <= 128),
+                "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
   static_assert(kNumSplits == 1 || (kKind == kKindDense && kNumTMAMulticast == 1 && !kTwoAccum &&
                                     !kHasC && kNumSplits <= kNumKBlocks),
@@ -488,16 +530,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                          float sb1) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-        const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
-#pragma unroll
-        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-          const bool first = g < num_first;
-          const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
-          fin[4 * g + 0] = fmaf(acc_[4 * g + 0], c0, fin[4 * g + 0]);
-          fin[4 * g + 1] = fmaf(acc_[4 * g + 1], c0, fin[4 * g + 1]);
-          fin[4 * g + 2] = fmaf(acc_[4 * g + 2], c1, fin[4 * g + 2]);
-          fin[4 * g + 3] = fmaf(acc_[4 * g + 3], c1, fin[4 * g + 3]);
-        }
+        promote_sums<BLOCK_N, !kTwoAccum>(num_first, fin, acc_, sa0, sa1, sb0, sb1);
       };
       auto next_stage = [&]() {
         if (++stage == kNumStages) stage = 0, phase ^= 1;
