@@ -262,25 +262,25 @@ def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     return _config(best, k, facts, multicast, on_a)
 
 
-# NOTE: the grouped tiles never cross a group: a group's last tile is partial, and a contiguous
-# block that holds two groups (a layout padded to 128 rows, tiles of 256) runs once per group.
-# 256-row tiles (3-11 % faster per FLOP than 128 where both fill the waves alike) therefore need
-# long groups: offsets from GROUPED_TALL_MIN_ROWS rows per group. A contiguous layout padded to
-# 128 rows wastes at most half a 256-row block per group boundary (which blocks hold two groups
-# is not known on the host), so it takes 256 from CONTIGUOUS_TALL_MIN_ROWS padded rows per group
-# on average: at most 128 / 4096 = 3 % of the work repeated, under the gain. Masked groups start
-# on their own [Mmax, K] slice, so only the expected rows decide: from MASKED_TALL_MIN_ROWS (on
-# the H200, 4 x 256 and 2 x 512 rows of N = 4096, K = 7168 ran 1.13x and 1.07x faster in
-# 256-row tiles than in the 128-row ones the model picked).
+# NOTE: the grouped tiles never cross a group: a group's last tile is partial. 256-row tiles (3-11 %
+# faster per FLOP than 128 where both fill the waves alike) therefore need long groups: offsets
+# from GROUPED_TALL_MIN_ROWS rows per group. Masked groups start on their own [Mmax, K] slice, so
+# only the expected rows decide: from MASKED_TALL_MIN_ROWS (on the H200, 4 x 256 and 2 x 512 rows
+# of N = 4096, K = 7168 ran 1.13x and 1.07x faster in 256-row tiles than in the 128-row ones the
+# model picked). Contiguous layouts take at most 128 rows: in a layout padded to 128 rows (which
+# blocks hold two groups is not known on the host) a 256-row block holding two groups runs its
+# second group on every n-block in the CTA that owns the block, one tile after another while the
+# other CTAs idle: on the H200, 8 experts of 32768 skewed tokens (three such blocks) at N = 4096,
+# K = 7168 took 2824 us in 256x128 tiles against 1604 us for the same rows in the offsets layout.
 GROUPED_BLOCK_M_CHOICES = (64, 128, 256)
 GROUPED_TALL_MIN_ROWS = 2048
-CONTIGUOUS_TALL_MIN_ROWS = 4096
 MASKED_TALL_MIN_ROWS = 256
 
 
 def _grouped_block_ms(kind: GemmKind, rows_per_group: int) -> tuple[int, ...]:
-    tall = {GemmKind.CONTIGUOUS: CONTIGUOUS_TALL_MIN_ROWS,
-            GemmKind.MASKED: MASKED_TALL_MIN_ROWS}.get(kind, GROUPED_TALL_MIN_ROWS)
+    if kind is GemmKind.CONTIGUOUS:
+        return (64, 128)
+    tall = MASKED_TALL_MIN_ROWS if kind is GemmKind.MASKED else GROUPED_TALL_MIN_ROWS
     return GROUPED_BLOCK_M_CHOICES if rows_per_group >= tall else (64, 128)
 
 
