@@ -36,8 +36,9 @@ __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
 // first and second wgmma, where they wait for the scale loads. n0 is a multiple of BLOCK_N, so
 // n0 % 128 is a multiple of kStep = pow2_factor_128(BLOCK_N): where that leaves at most 4
 // values, a binary search over them ([kLo, kHi]) runs the instance whose split is a constant,
-// 4 products. On the H200 that made 128x160 tiles 4-6 % faster and 128x192 10 % (grouped, M =
-// 32768); 16 instances (256x136) ran 5 % slower than the selects, 8 (128x144) 1 %. kConstSplit
+// 4 products. On the H200, same run, that made 128x160 tiles 1-6 % faster and 128x192 9-11 %
+// (dense and grouped, M 1024 to 32768); 16 instances (256x136) ran 5 % slower than the selects,
+// 8 (128x144) 1 %. kConstSplit
 // false keeps the selects: with two accumulators the instances of each unrolled k-block made
 // ptxas spill (2-3 KB at 96 wide).
 template <uint32_t BLOCK_N, bool kConstSplit, uint32_t kLo = 0,
