@@ -25,7 +25,9 @@ and cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.t
 launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS and the
 speed-up over cuBLAS block-wise of the same run; a config the family refuses is reported, not
 timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows per group, the
-bench's layouts) have no cuBLAS peer here: the speed-up is over the first variant. --kind wgrad
+bench's layouts; sGxMxNxK: the G groups' G * M rows in the moe-skewed suite's skewed sizes) have
+no cuBLAS peer here: the speed-up is over the first variant. DeepGEMM (the bench's `deepgemm`,
+where `import deep_gemm` works) is timed beside them wherever it takes the kind. --kind wgrad
 is the weight gradient of the bench's backward suite (both operands in 1x128 groups, accumulated
 into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which writes out); where
 cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant too.
@@ -50,7 +52,7 @@ from fp8gemm.backends.cuda import FAMILIES  # noqa: E402
 from fp8gemm.backends.family import DeviceFacts  # noqa: E402
 from fp8gemm.bench.impls import (Skip, cublas_block_probe, make_data, make_impl,  # noqa: E402
                                  reference_output)
-from fp8gemm.bench.suites import Case  # noqa: E402
+from fp8gemm.bench.suites import Case, skewed_sizes  # noqa: E402
 from fp8gemm.bench.timing import (DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS, eager_time_us,  # noqa: E402
                                   geomean, median)
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E402
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
                                                          if k is not GemmKind.K_GROUPED]
                     + ["wgrad"])
-    ap.add_argument("--shapes", default=M4096, help="comma-separated MxNxK (grouped: GxMxNxK)")
+    ap.add_argument("--shapes", default=M4096,
+                    help="comma-separated MxNxK (grouped: GxMxNxK, sGxMxNxK skewed)")
     ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
     ap.add_argument("--sweep", action="store_true", help="also every candidate config")
     ap.add_argument("--runs", type=int, default=MIN_DEVICE_RUNS)
@@ -176,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     block_way = cublas_block_probe(dev)[0] if dense else None  # the bench's way of calling it
     rows = []
     for shape in args.shapes.split(","):
-        dims = [int(v) for v in shape.split("x")]
+        skewed = not dense and shape.startswith("s")
+        dims = [int(v) for v in shape.removeprefix("s").split("x")]
         if len(dims) != (3 if dense else 4):
-            ap.error(f"--shapes: {shape!r} is not {'MxNxK' if dense else 'GxMxNxK'}")
+            ap.error(f"--shapes: {shape!r} is not {'MxNxK' if dense else '[s]GxMxNxK'}")
         g, (m, n, k) = (1, dims) if dense else (dims[0], dims[1:])
-        data = make_data(Case("tiles", args.kind, m, n, k, groups=g), dev)
+        sizes = skewed_sizes(g * m, g) if skewed else ()
+        data = make_data(Case("tiles", args.kind, m, n, k, groups=g, sizes=sizes), dev)
         if dense:
             problem = wgrad_problem(m, n, k) if wgrad else dense_problem(m, n, k)
         else:
@@ -234,9 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         if not calls:
             continue
         peer = "cublas-block" if "cublas-block" in calls else next(iter(calls))
+        busy = dict.fromkeys(calls, MIN_BUSY_US)
+        try:
+            dg = make_impl("deepgemm", data)
+            calls["deepgemm"], busy["deepgemm"] = dg.fn, dg.busy_us
+        except Skip as e:
+            print(f"{shape} deepgemm: not timed: {e}", flush=True)
         names = list(calls)
         times = timer.time_interleaved_us(
-            [(calls[x], eager_time_us(calls[x], dev).host_us, MIN_BUSY_US) for x in names],
+            [(calls[x], eager_time_us(calls[x], dev).host_us, busy[x]) for x in names],
             args.runs)
         us = {x: median(t) for x, t in zip(names, times)}
         flops = 2 * ref.shape[0] * n * k  # data rows only (no padding, no rows past masked_m)
