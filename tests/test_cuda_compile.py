@@ -468,9 +468,9 @@ def grouped_problem(kind, rows, groups, expected_m, n, k) -> GemmProblem:
 
 @pytest.mark.parametrize("case", GROUPED_SUITE, ids=lambda c: f"{c[0].value}-{c[1:]}")
 def test_grouped_configs(case):
-    """The grouped family takes every grouped kind; contiguous tiles of at most 128 rows (a
-    256-row block of a layout padded to 128 may hold two groups), no clusters, shared memory
-    fits."""
+    """The grouped family takes every grouped kind; contiguous tiles of 256 rows only from
+    CONTIGUOUS_TALL_MIN_ROWS padded rows per group on average (a 256-row block of a layout
+    padded to 128 may hold two groups and run twice), no clusters, shared memory fits."""
     from fp8gemm.backends.cuda import family_for
 
     p = grouped_problem(*case)
@@ -479,7 +479,9 @@ def test_grouped_configs(case):
     cfg = fam.select_config(p, H200)
     assert cfg.block_m in g.GROUPED_BLOCK_M_CHOICES and cfg.num_multicast == 1
     if p.kind is GemmKind.CONTIGUOUS:
-        assert cfg.block_m <= 128
+        assert cfg.block_m <= 128 or p.m // p.groups >= g.CONTIGUOUS_TALL_MIN_ROWS
+        if p.m // p.groups >= g.CONTIGUOUS_TALL_MIN_ROWS and p.n >= 2048:
+            assert cfg.block_m == 256  # the MoE prefill shapes: 4-8 experts of 4096-8192 rows
     assert cfg.smem(p.k, p.kind) <= H200.smem_per_block and 1 <= cfg.grid <= H200.num_sms
     assert cfg == fam.candidate_configs(p, H200)[0]
 

@@ -262,25 +262,27 @@ def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     return _config(best, k, facts, multicast, on_a)
 
 
-# NOTE: the grouped tiles never cross a group: a group's last tile is partial. 256-row tiles (3-11 %
-# faster per FLOP than 128 where both fill the waves alike) therefore need long groups: offsets
-# from GROUPED_TALL_MIN_ROWS rows per group. Masked groups start on their own [Mmax, K] slice, so
-# only the expected rows decide: from MASKED_TALL_MIN_ROWS (on the H200, 4 x 256 and 2 x 512 rows
-# of N = 4096, K = 7168 ran 1.13x and 1.07x faster in 256-row tiles than in the 128-row ones the
-# model picked). Contiguous layouts take at most 128 rows: in a layout padded to 128 rows (which
-# blocks hold two groups is not known on the host) a 256-row block holding two groups runs its
-# second group on every n-block in the CTA that owns the block, one tile after another while the
-# other CTAs idle: on the H200, 8 experts of 32768 skewed tokens (three such blocks) at N = 4096,
-# K = 7168 took 2824 us in 256x128 tiles against 1604 us for the same rows in the offsets layout.
+# NOTE: the grouped tiles never cross a group: a group's last tile is partial, and a contiguous
+# block that holds several groups (a layout padded to 128 rows, tiles of 256) runs once per
+# group. 256-row tiles (3-11 % faster per FLOP than 128 where both fill the waves alike) therefore
+# need long groups: offsets from GROUPED_TALL_MIN_ROWS rows per group. A contiguous layout padded
+# to 128 rows repeats at most half a 256-row block per group boundary (which blocks hold two
+# groups is not known on the host), so it takes 256 from CONTIGUOUS_TALL_MIN_ROWS padded rows per
+# group on average: on the H200 256x128 ran 1-5 % faster than 128x128 on groups of 4096 and 8192
+# rows, -2 / +2 % on 8 skewed experts of 4096 rows on average (N x K = 4096x7168 / 7168x2048),
+# 4-7 % slower on 16 and 14-15 % on 32 skewed experts (2048 and 1024 rows). Masked groups start
+# on their own [Mmax, K] slice, so only the expected rows decide: from MASKED_TALL_MIN_ROWS (on
+# the H200, 4 x 256 and 2 x 512 rows of N = 4096, K = 7168 ran 1.13x and 1.07x faster in 256-row
+# tiles than in the 128-row ones the model picked).
 GROUPED_BLOCK_M_CHOICES = (64, 128, 256)
 GROUPED_TALL_MIN_ROWS = 2048
+CONTIGUOUS_TALL_MIN_ROWS = 4096
 MASKED_TALL_MIN_ROWS = 256
 
 
 def _grouped_block_ms(kind: GemmKind, rows_per_group: int) -> tuple[int, ...]:
-    if kind is GemmKind.CONTIGUOUS:
-        return (64, 128)
-    tall = MASKED_TALL_MIN_ROWS if kind is GemmKind.MASKED else GROUPED_TALL_MIN_ROWS
+    tall = {GemmKind.CONTIGUOUS: CONTIGUOUS_TALL_MIN_ROWS,
+            GemmKind.MASKED: MASKED_TALL_MIN_ROWS}.get(kind, GROUPED_TALL_MIN_ROWS)
     return GROUPED_BLOCK_M_CHOICES if rows_per_group >= tall else (64, 128)
 
 

@@ -79,19 +79,18 @@ struct TileScheduler {
   // Contiguous: the groups of the first and last row of the next tile's block, loaded one tile
   // ahead so that the common case (both the same group) costs no wait on global memory.
   int32_t ahead_first, ahead_last;
-  // Contiguous: blocks that hold rows of several groups (a layout not aligned to BLOCK_M) run
-  // once per further group and n-block after every tile's first group (second pass, which walks
-  // this CTA's share of the blocks).
-  bool second_pass;
-  uint32_t extra_block, extra_group, extra_last, extra_n;
+  // Contiguous: the block (m0, n-block) of the tile just returned, when it holds rows of several
+  // groups (a layout not aligned to BLOCK_M): the groups after extra_group in it run next, on the
+  // same n-block in the same CTA, so the repeated work spreads over the CTAs as the tiles do.
+  uint32_t extra_m0, extra_n;
+  int32_t extra_group, extra_last;
 
   __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
                                            uint32_t num_groups_)
       : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
         num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks * kNumSplits), next_tile(blockIdx.x),
         group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
-        ahead_first(-1), ahead_last(-1), second_pass(false), extra_block(0), extra_group(1),
-        extra_last(0), extra_n(0) {
+        ahead_first(-1), ahead_last(-1), extra_m0(0), extra_n(0), extra_group(0), extra_last(-1) {
     if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
       if (num_groups > 0) load_group(0);
     }
@@ -173,15 +172,18 @@ struct TileScheduler {
     return r;
   }
 
-  // Contiguous: whether any row of the block at m0 belongs to group g.
-  __device__ __forceinline__ bool block_has_group(uint32_t m0, int32_t g) const {
+  // Contiguous: the smallest group above `after` that has rows in the block at m0 (num_groups
+  // when none).
+  __device__ __forceinline__ int32_t next_group_in_block(uint32_t m0, int32_t after) const {
     constexpr uint32_t kRowsPerLane = BLOCK_M / 32;
     const uint32_t lane = lane_idx();
-    bool has = false;
+    int32_t lo = static_cast<int32_t>(num_groups);
 #pragma unroll
-    for (uint32_t i = 0; i < kRowsPerLane; ++i)
-      has |= row_group(layout, m0 + lane * kRowsPerLane + i, shape_m, num_groups) == g;
-    return __any_sync(0xffffffffu, has);
+    for (uint32_t i = 0; i < kRowsPerLane; ++i) {
+      const int32_t g = row_group(layout, m0 + lane * kRowsPerLane + i, shape_m, num_groups);
+      lo = g > after && g < lo ? g : lo;
+    }
+    return warp_min_s32(lo);
   }
 
   // The next tile of this CTA; false when none is left.
@@ -197,15 +199,18 @@ struct TileScheduler {
       return true;
     } else if constexpr (kKind == kKindContiguous) {
       static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 256, "whole rows per lane in a block scan");
+      // The further groups of the block just returned, each under its row mask.
+      if (extra_group < extra_last) {
+        extra_group = next_group_in_block(extra_m0, extra_group);
+        t.m0 = t.sa_m = static_cast<int32_t>(extra_m0);
+        t.n_block = extra_n, t.group = static_cast<uint32_t>(extra_group), t.rows = BLOCK_M;
+        t.full = false;
+        return true;
+      }
       const uint32_t num_m_blocks = ceil_div(shape_m, BLOCK_M);
-      uint32_t m_block, n_block;
-      // First pass: every block's first group. A block of padding only is skipped: no loads,
-      // no MMA, no stores.
-      while (!second_pass) {
-        if (next_tile >= num_tiles) {
-          second_pass = true, extra_block = blockIdx.x;
-          break;
-        }
+      // A block of padding only is skipped: no loads, no MMA, no stores.
+      while (next_tile < num_tiles) {
+        uint32_t m_block, n_block;
         tile_coords(next_tile, num_m_blocks, m_block, n_block);
         next_tile += gridDim.x;
         const int32_t first = ahead_first, last = ahead_last;
@@ -221,36 +226,11 @@ struct TileScheduler {
         const BlockGroups bg = block_groups(m_block * BLOCK_M);
         if (bg.last < 0) continue;
         t.group = static_cast<uint32_t>(bg.first), t.full = bg.uniform;
+        extra_m0 = m_block * BLOCK_M, extra_n = n_block;
+        extra_group = bg.first, extra_last = bg.last;
         return true;
       }
-      // Second pass: this CTA's blocks b = blockIdx.x + i * gridDim.x that hold several groups,
-      // each further group on every n-block under its row mask.
-      while (true) {
-        if (extra_group > extra_last) {
-          if (extra_block >= num_m_blocks) return false;
-          const uint32_t m0 = extra_block * BLOCK_M;
-          const uint32_t last = m0 + BLOCK_M < shape_m ? m0 + BLOCK_M - 1 : shape_m - 1;
-          const int32_t g0 = row_group(layout, m0, shape_m, num_groups);
-          extra_block += gridDim.x;
-          if (g0 >= 0 && g0 == row_group(layout, last, shape_m, num_groups)) continue;
-          const BlockGroups bg = block_groups(m0);
-          if (bg.last <= bg.first) continue;
-          extra_group = static_cast<uint32_t>(bg.first) + 1, extra_last = static_cast<uint32_t>(bg.last);
-          extra_n = 0;
-          if (!block_has_group(m0, static_cast<int32_t>(extra_group))) extra_n = kNumNBlocks;
-        }
-        if (extra_n == kNumNBlocks) {
-          // This group is done (or absent): on to the block's next group that has rows here.
-          ++extra_group, extra_n = 0;
-          const uint32_t m0 = (extra_block - gridDim.x) * BLOCK_M;
-          if (extra_group <= extra_last && !block_has_group(m0, static_cast<int32_t>(extra_group)))
-            extra_n = kNumNBlocks;
-          continue;
-        }
-        t.m0 = t.sa_m = static_cast<int32_t>((extra_block - gridDim.x) * BLOCK_M);
-        t.n_block = extra_n++, t.group = extra_group, t.rows = BLOCK_M, t.full = false;
-        return true;
-      }
+      return false;
     } else {
       // Offsets, masked: advance to the group that holds tile next_tile.
       while (next_tile >= group_tile0 + group_tiles) {
