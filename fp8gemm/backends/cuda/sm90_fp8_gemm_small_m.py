@@ -73,14 +73,23 @@ NUM_THREADS = 384  # one producer and two math warpgroups
 #   k-blocks as the dense kernel's two do, so the MMA side has the two-warpgroup efficiency.
 #   SM_FLOPS_PER_US converts: H200's FP8 dense peak (1480 TFLOPS) per SM, which with LOAD_WEIGHT
 #   = 128 makes ~88 GB/s a CTA can pull from L2/HBM.
-# - DRAM: HBM at 4.25 TB/s, B, A and D each moved once (a second token tile re-reads B from L2).
+# - DRAM: HBM at 4.25 TB/s, A and D moved once, B once and REREAD_B more for each token tile
+#   after the first: the token tiles of one B tile run at the same time, and their loads of it do
+#   not all meet in L2.
 # - FIXED_US: launch and pipeline ramp, the 4 us of the memory floor (bytes / 4.25 TB/s + 4 us).
-# - SPLIT_US: two cluster barriers and the DSMEM reduction of a partial tile (at most 32 KB);
-#   an estimate, to be fitted on the H200 with the dense family's method.
+# - SPLIT_US: two cluster barriers and the DSMEM reduction of a partial tile (at most 32 KB).
+# REREAD_B and SPLIT_US are fitted to every candidate of 34 decode shapes (2112x7168 and
+# 4096x7168 at M = 1..192, 7168x2048 and 7168x16384 at M = 1..128) timed on the H200 in one
+# run (`scripts/cuda_tiles.py --family sm90_fp8_gemm_1d2d_small_m --sweep`): with B read once
+# (REREAD_B = 0, SPLIT_US = 0.5) the model took two token tiles of 16-24 tokens where one tile
+# ran 12-15 % faster (4096x7168 at M = 24: 18.1 us against 15.7) and two splits where three ran
+# 6-11 % faster (2112x7168 at M = 32 and 48); fitted, its picks ran 0.2 % slower than the
+# fastest candidate of each shape (geometric mean), against 1.9 %.
 SM_FLOPS_PER_US = 1480e6 / 132
 DRAM_BYTES_PER_US = 4.25e6
 FIXED_US = 4.0
-SPLIT_US = 0.5
+REREAD_B = 0.25
+SPLIT_US = 1.0
 # NOTE: the CTAs of a cluster must share a GPC. The H100/H200 GPCs hold 14-18 SMs (8 of them for
 # 132 SMs; harvesting varies per chip), so clusters of more than 2 leave SMs idle. The H200's
 # driver (cuOccupancyMaxActiveClusters) runs 22 clusters of 5 CTAs (110 SMs) and 17 of 6 (102):
@@ -174,8 +183,8 @@ def token_tiles(m: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def dram_us(m: int, n: int, k: int) -> float:
-    return (n * k + m * k + 2 * m * n) / DRAM_BYTES_PER_US
+def dram_us(m: int, n: int, k: int, token_tiles: int = 1) -> float:
+    return (n * k * (1 + REREAD_B * (token_tiles - 1)) + m * k + 2 * m * n) / DRAM_BYTES_PER_US
 
 
 def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int) -> float:
@@ -187,7 +196,7 @@ def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int) -> float:
     kb = ceil_div(ceil_div(k, BLOCK_K), num_splits)
     cta = kb * BLOCK_K * per_k / SM_FLOPS_PER_US
     split = SPLIT_US if num_splits > 1 else 0.0
-    return round(FIXED_US + max(dram_us(m, n, k), cta) + split, 3)
+    return round(FIXED_US + max(dram_us(m, n, k, ceil_div(m, block_m)), cta) + split, 3)
 
 
 def dense_estimate_us(problem: GemmProblem, facts: DeviceFacts) -> float:
