@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hardware counters of one call per shape and impl (fp8gemm.bench's implementations) of a dense
-# GEMM or a backward one (OP=wgrad, OP=dgrad), with Nsight Compute. Clocks are left alone
+# GEMM, a backward one (OP=wgrad, OP=dgrad) or a grouped one (OP=contiguous, offsets, masked;
+# shapes GxMxNxK, M rows per group, the bench's layouts), with Nsight Compute. Clocks are left alone
 # (--clock-control none): the kernels run at the clocks the benchmark sees. Needs a machine whose
 # runtime lets ncu read the counters.
 #
@@ -8,6 +9,7 @@
 #       bash scripts/ncu_dense.sh
 #   OP=wgrad SHAPES=2112x7168x4096 IMPLS="fp8gemm-cuda deepgemm cublas-block" \
 #       bash scripts/ncu_dense.sh
+#   OP=offsets SHAPES=8x4096x7168x2048 IMPLS=fp8gemm-cuda bash scripts/ncu_dense.sh
 #
 # (deepgemm needs DeepGEMM's checkout on PYTHONPATH: DEEPGEMM_DIR, default .peers/deepgemm.)
 #
@@ -43,8 +45,9 @@ for shape in $SHAPES; do
 import sys, torch
 from fp8gemm.bench.suites import Case
 from fp8gemm.bench.impls import make_data, make_impl
-m, n, k = (int(v) for v in sys.argv[1].split("x"))
-data = make_data(Case("ncu", sys.argv[3], m, n, k), torch.device("cuda"))
+dims = [int(v) for v in sys.argv[1].split("x")]
+g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
+data = make_data(Case("ncu", sys.argv[3], m, n, k, groups=g), torch.device("cuda"))
 impl = make_impl(sys.argv[2], data)
 torch.cuda.synchronize()
 impl.fn()
