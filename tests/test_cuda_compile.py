@@ -98,15 +98,27 @@ def test_e5m2_a_kernels_compile_clean(tmp_path, monkeypatch):
 
 
 # --- heuristic -------------------------------------------------------------------------------------
+def test_deep_ring_for_thin_tiles_with_rows():
+    """64x32 dense tiles stream a long K through DEEP_RING_STAGES stages once A has
+    DEEP_RING_MIN_ROWS rows (4096x7168 at M = 64 picks them); fewer rows keep MAX_STAGES."""
+    cfg = g.DENSE.select_config(problem(64, 4096, 7168), H200)
+    assert (cfg.block_m, cfg.block_n) == g.DEEP_RING_TILE and cfg.num_stages == g.DEEP_RING_STAGES
+    thin = g.candidate_tiles(g.DEEP_RING_MIN_ROWS - 8, 4096, 7168, H200)
+    assert [c.num_stages for c in thin if (c.block_m, c.block_n) == g.DEEP_RING_TILE] == [g.MAX_STAGES]
+
+
 @pytest.mark.parametrize("facts", [H200, H100_PCIE], ids=["h200", "h100pcie"])
 @pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD)
 def test_config_properties(m, n, k, facts):
     cfg = g.DENSE.select_config(problem(m, n, k), facts)
     # Fits shared memory, with the stages the layout needs.
     assert cfg.smem(k) == g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k)
-    assert cfg.smem(k) <= facts.smem_per_block and g.MIN_STAGES <= cfg.num_stages <= g.MAX_STAGES
+    # 64x32 tiles of at least DEEP_RING_MIN_ROWS rows take the deeper ring.
+    deep = (cfg.block_m, cfg.block_n) == g.DEEP_RING_TILE and m >= g.DEEP_RING_MIN_ROWS
+    cap = g.DEEP_RING_STAGES if deep else g.MAX_STAGES
+    assert cfg.smem(k) <= facts.smem_per_block and g.MIN_STAGES <= cfg.num_stages <= cap
     # One more stage would not fit (stages are as deep as memory allows), unless at the cap.
-    assert (cfg.num_stages == g.MAX_STAGES
+    assert (cfg.num_stages == cap
             or g.smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages + 1, k) > facts.smem_per_block)
     # Tile shape the kernel accepts: wgmma N step 8, at most two B scale blocks per tile.
     assert cfg.block_n % 8 == 0 and cfg.block_n in g.BLOCK_N_CHOICES and cfg.block_m in (64, 128, 256)
