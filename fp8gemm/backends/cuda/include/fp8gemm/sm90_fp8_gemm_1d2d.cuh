@@ -272,6 +272,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // keep stale bytes; they only feed output rows that the TMA store clips.
     const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
     const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
+    // NOTE: B of a group with one m-block is read by one tile only, so its lines go first in L2
+    // (l2_policy_evict_first); other tiles' B keeps the default policy.
+    const uint64_t policy_once = l2_policy_evict_first();
     uint32_t stage = 0, phase = 0;
     auto produce = [&](const Tile& t) {
       const int32_t m0 = t.m0;
@@ -308,6 +311,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         }
         if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
           if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
+        } else if (t.b_once) {
+          tma_load_2d_hint(dst_b, &tmap_b, bar, k0, n0, policy_once);
         } else {
           tma_load_2d(dst_b, &tmap_b, bar, k0, n0);
         }

@@ -135,13 +135,23 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       // of tokens >= M, never stored.
       const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
       const uint32_t stage_tx_bytes = Layout::kBRows * BLOCK_K + a_rows * BLOCK_K + BLOCK_M * 4;
+      // NOTE: with one token tile every byte of B is read once, so its lines go first in L2
+      // (l2_policy_evict_first); with more, the token tiles of a B tile read it at about the
+      // same time, partly from L2, and B keeps the default policy.
+      const bool b_once = shape_m <= BLOCK_M;
+      const uint64_t policy_once = l2_policy_evict_first();
       uint32_t stage = 0, phase = 0;
       for (uint32_t kb = kb_begin; kb < kb_end; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, stage_tx_bytes);
         const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
-        tma_load_2d(smem_b + stage * Layout::SMEM_B, &tmap_b, bar, k0, static_cast<int32_t>(n0));
+        uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
+        if (b_once) {
+          tma_load_2d_hint(dst_b, &tmap_b, bar, k0, static_cast<int32_t>(n0), policy_once);
+        } else {
+          tma_load_2d(dst_b, &tmap_b, bar, k0, static_cast<int32_t>(n0));
+        }
         tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, k0, static_cast<int32_t>(m0));
         tma_load_2d(smem_sa + stage * Layout::kSaStage, &tmap_sa, bar, static_cast<int32_t>(m0),
                     static_cast<int32_t>(kb));

@@ -26,6 +26,7 @@ struct Tile {
   uint32_t group;
   uint32_t rows;     // rows of the group from m0 (offsets, masked; BLOCK_M or fewer)
   bool full;         // every row the TMA store would write belongs to the tile's group
+  bool b_once;       // the group has one m-block: no other tile reads this tile's B
   uint32_t split;    // dense split-K: which of the kNumSplits k-ranges (set only when > 1)
 };
 
@@ -196,6 +197,7 @@ struct TileScheduler {
       next_tile += gridDim.x;
       t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
+      t.b_once = shape_m <= BLOCK_M;
       return true;
     } else if constexpr (kKind == kKindContiguous) {
       static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 256, "whole rows per lane in a block scan");
@@ -204,7 +206,7 @@ struct TileScheduler {
         extra_group = next_group_in_block(extra_m0, extra_group);
         t.m0 = t.sa_m = static_cast<int32_t>(extra_m0);
         t.n_block = extra_n, t.group = static_cast<uint32_t>(extra_group), t.rows = BLOCK_M;
-        t.full = false;
+        t.full = false, t.b_once = false;
         return true;
       }
       const uint32_t num_m_blocks = ceil_div(shape_m, BLOCK_M);
@@ -216,7 +218,7 @@ struct TileScheduler {
         const int32_t first = ahead_first, last = ahead_last;
         look_ahead();
         t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
-        t.n_block = n_block, t.rows = BLOCK_M;
+        t.n_block = n_block, t.rows = BLOCK_M, t.b_once = false;
         // NOTE: the rows of a group are consecutive (padding rows follow them), so a block whose
         // first and last rows belong to one group holds only that group.
         if (first >= 0 && first == last) {
@@ -247,6 +249,7 @@ struct TileScheduler {
       t.n_block = n_block, t.group = group;
       t.rows = group_rows - row_in_group < BLOCK_M ? group_rows - row_in_group : BLOCK_M;
       t.full = t.rows == BLOCK_M;
+      t.b_once = group_rows <= BLOCK_M;
       return true;
     }
   }

@@ -169,6 +169,25 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TmaDescriptor* desc
       : "memory");
 }
 
+// An L2 policy for the lines a load allocates: evict_first lines are the first to go when the
+// cache needs room. For bytes read once (a decode GEMM's B), each new line then replaces one of
+// them, not a line another kernel will read or a dirty line that must first be written to HBM.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// tma_load_2d with an L2 cache policy (l2_policy_evict_first) for the lines it allocates.
+__device__ __forceinline__ void tma_load_2d_hint(void* dst, const TmaDescriptor* desc, uint64_t* bar,
+                                                 int32_t c0, int32_t c1, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "l"(policy)
+      : "memory");
+}
+
 // One load written to the same offset in every CTA of `cta_mask`; each CTA's barrier at `bar`'s
 // offset receives the bytes.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TmaDescriptor* desc,
