@@ -128,6 +128,10 @@ BENCH_PEER_TOL = {"torch-bf16": TOLERANCES["bench peer", "torch-bf16"].bound,
                   "other quantisation": TOLERANCES["bench peer", "other quantisation"].bound}
 
 
+# SASS of a 2-D TMA load that carries an L2 cache policy (cp.async.bulk.tensor ... .L2::cache_hint).
+TMA_LOAD_WITH_POLICY = r"UTMALDG\.2D \[UR\d+\], \[UR\d+\], desc\[UR\d+\]"
+
+
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """1 - 2 sum(xy) / sum(x^2 + y^2) in float64; 0 when equal or both 0. Written here, not
     imported, so the tests of `fp8gemm.calc_diff` have something to compare with."""

@@ -19,7 +19,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, compiler_or_skip
+from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, TMA_LOAD_WITH_POLICY, compiler_or_skip
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -269,6 +269,11 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
         assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), \
             f"{shape} {cfg}: no QGMMA.64x{cfg.block_n}x32 in SASS"
         assert not re.search(r"\b(LDL|STL)\b", sass), f"{shape} {cfg}: local memory in SASS"
+        # B of one m-block is loaded with an L2 cache policy (the desc[] operand), unless each
+        # B load is multicast to a pair of m-blocks.
+        b_shared = cfg.num_multicast > 1 and not cfg.multicast_on_a
+        assert bool(re.search(TMA_LOAD_WITH_POLICY, sass)) == (not b_shared), \
+            f"{shape} {cfg}: B's evict_first load missing or misplaced"
         res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
         local = re.findall(r"LOCAL:(\d+)", res)
         assert local and max(map(int, local)) == 0, res
