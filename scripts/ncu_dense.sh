@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hardware counters of one call per shape and impl (fp8gemm.bench's implementations) of a dense
 # GEMM, a backward one (OP=wgrad, OP=dgrad) or a grouped one (OP=contiguous, offsets, masked;
-# shapes GxMxNxK, M rows per group, the bench's layouts), with Nsight Compute. Clocks are left alone
+# shapes GxMxNxK, M rows per group, the bench's layouts; sGxMxNxK: the G groups' G * M rows in the
+# moe-skewed suite's skewed sizes), with Nsight Compute. Clocks are left alone
 # (--clock-control none): the kernels run at the clocks the benchmark sees. Needs a machine whose
 # runtime lets ncu read the counters.
 #
@@ -43,11 +44,13 @@ for shape in $SHAPES; do
             --section SourceCounters --print-details all --metrics "$METRICS" \
             python3 - "$shape" "$impl" "$OP" >"$OUT/ncu_$tag.txt" 2>&1 <<'PY'
 import sys, torch
-from fp8gemm.bench.suites import Case
+from fp8gemm.bench.suites import Case, skewed_sizes
 from fp8gemm.bench.impls import make_data, make_impl
-dims = [int(v) for v in sys.argv[1].split("x")]
+skewed = sys.argv[1].startswith("s")
+dims = [int(v) for v in sys.argv[1].lstrip("s").split("x")]
 g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
-data = make_data(Case("ncu", sys.argv[3], m, n, k, groups=g), torch.device("cuda"))
+sizes = skewed_sizes(g * m, g) if skewed else ()
+data = make_data(Case("ncu", sys.argv[3], m, n, k, groups=g, sizes=sizes), torch.device("cuda"))
 impl = make_impl(sys.argv[2], data)
 torch.cuda.synchronize()
 impl.fn()
