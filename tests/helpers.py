@@ -414,17 +414,6 @@ SPLIT_K_CONFIGS = [
     (130, 576, 16384, 64, 160, 8),     # BLOCK_M 64, 160 wide, 8 parts
 ]
 
-# Stream-K configs of the dense 1D2D kernel, built directly: (M, N, K, BLOCK_M, BLOCK_N, grid);
-# the stream-K tiles are stream_k_plan's for that grid.
-STREAM_K_CONFIGS = [
-    (4096, 2112, 7168, 256, 128, 132),  # 272 tiles: two waves whole, 140 shared, two parts each
-    (4096, 7168, 2048, 256, 128, 132),  # 896 tiles: five waves whole, 236 shared
-    (1000, 512, 32768, 128, 128, 132),  # 32 tiles over 132 CTAs: up to 6 parts, k order
-    (300, 576, 848, 128, 144, 132),     # 7 k-blocks, one a CTA: M, N tails, a shifted last block
-    (130, 1000, 1248, 64, 160, 132),    # BLOCK_M 64, N tail, a partial last k-block
-    (1000, 2112, 7168, 128, 128, 7),    # a small grid: 18 whole rounds, then 10 tiles shared
-]
-
 FORCED_CONFIGS = [
     (512, 2048, 1024, 128, 128, 2, False, False),   # multicast of B: pairs share n_block
     (512, 2048, 1024, 128, 128, 2, True, False),    # multicast of A: pairs share m_block

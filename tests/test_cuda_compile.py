@@ -19,8 +19,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, STREAM_K_CONFIGS, TMA_LOAD_WITH_POLICY,
-                     compiler_or_skip)
+from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, TMA_LOAD_WITH_POLICY, compiler_or_skip
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -128,11 +127,10 @@ def test_config_properties(m, n, k, facts):
     low_bit = cfg.block_n & -cfg.block_n
     assert cfg.block_n <= 128 + min(low_bit, 128)
     assert cfg.num_threads == (256 if cfg.block_m == 64 else 384)
-    # (stream-K runs one accumulator, and fewer tiles than SMs over every SM)
-    assert cfg.two_accum == (g.use_two_accum(cfg.block_m, cfg.block_n, k) and not cfg.stream_k)
+    assert cfg.two_accum == g.use_two_accum(cfg.block_m, cfg.block_n, k)
     # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    assert 1 <= cfg.grid <= (facts.num_sms if cfg.stream_k else min(facts.num_sms, tiles))
+    assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
     if cfg.num_multicast == 2:
         shared = ceil_div(n, cfg.block_n) if cfg.multicast_on_a else ceil_div(m, cfg.block_m)
         assert shared % 2 == 0 and tiles % 2 == 0 and cfg.grid % 2 == 0
@@ -206,13 +204,10 @@ def test_fewer_sms_changes_the_grid():
 
 # --- compile every suite kernel ------------------------------------------------------------------------
 def _suite_configs():
-    """{(N, K, config, C or not): the first (M, N, K) that picks it}; a C input (a bias) adds
-    loads to the epilogue, and the choice may differ with it."""
     seen = {}
     for m, n, k in DSV3 + AWKWARD:
-        for has_c in (False, True):
-            cfg = g.DENSE.select_config(problem(m, n, k, has_c=has_c), H200)
-            seen.setdefault((n, k, cfg, has_c), (m, n, k))
+        cfg = g.DENSE.select_config(problem(m, n, k), H200)
+        seen.setdefault((n, k, cfg), (m, n, k))
     return seen
 
 
@@ -225,9 +220,10 @@ def compiled_suite(tmp_path_factory):
     os.environ["FP8GEMM_CACHE_DIR"] = str(tmp_path_factory.mktemp("cubins"))
     try:
         out = {}
-        for (n, k, cfg, has_c), shape in _suite_configs().items():
-            _, compiled, path, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg, has_c=has_c)
-            out[shape + (("c",) if has_c else ())] = (cfg, compiled)
+        for (n, k, cfg), shape in _suite_configs().items():
+            for has_c in (False, True):  # a C input (a bias) adds loads to the epilogue
+                _, compiled, path, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg, has_c=has_c)
+                out[shape + (("c",) if has_c else ())] = (cfg, compiled)
         yield out
     finally:
         if old is None:
@@ -440,143 +436,6 @@ def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkey
     path.write_bytes(compiled.cubin)
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
     assert "STG.E.64" in sass and "UTMASTG" not in sass, f"{cfg}: no float32 part stores"
-
-
-# --- stream-K -------------------------------------------------------------------------------------
-def _stream_k_items(tiles: int, grid: int, num_kb: int, sk_tiles: int):
-    """TileScheduler's stream-K walk, as the kernel does it: per CTA its work items (tile,
-    kb_begin, kb_end, first, parts)."""
-    dp = tiles - sk_tiles
-    width = ceil_div(sk_tiles * num_kb, grid)
-    iters = sk_tiles * num_kb
-    out = {}
-    for cta in range(grid):
-        items = [(t, 0, num_kb, cta, 1) for t in range(cta, dp, grid)]
-        it, end = cta * width, min((cta + 1) * width, iters)
-        while it < end:
-            tile = it // num_kb
-            it0 = tile * num_kb
-            kb_end = min(end - it0, num_kb)
-            first = it0 // width
-            items.append((dp + tile, it - it0, kb_end, first, (it0 + num_kb - 1) // width - first + 1))
-            it = it0 + kb_end
-        out[cta] = items
-    return out
-
-
-@pytest.mark.parametrize("tiles,grid,num_kb", [(272, 132, 56), (896, 132, 16), (32, 132, 256),
-                                               (12, 132, 7), (136, 7, 56), (133, 132, 2),
-                                               (265, 132, 3), (5, 3, 1000)])
-def test_stream_k_schedule_covers_every_k_block_once(tiles, grid, num_kb):
-    """The walk computes every k-block of every tile once; a tile's parts are consecutive CTAs
-    in k order, as many as `parts` says, at most stream_k_plan's bound; each CTA stores at most
-    one first part (slot 2b + 1) and one later part (slot 2b); the flags (the first CTA) of two
-    tiles in parts differ."""
-    sk, g_grid, max_parts = g.stream_k_plan(tiles, grid, num_kb)
-    assert sk > 0 and g_grid == grid and sk <= tiles
-    items = _stream_k_items(tiles, grid, num_kb, sk)
-    seen = {}
-    for cta, its in items.items():
-        slots = [it[1] == 0 for it in its if it[4] > 1]  # True: a tile's first part
-        assert slots.count(True) <= 1 and slots.count(False) <= 1, (cta, its)
-        for tile, kb0, kb1, first, parts in its:
-            assert 0 <= kb0 < kb1 <= num_kb
-            seen.setdefault(tile, []).append((kb0, kb1, cta, first, parts))
-    assert sorted(seen) == list(range(tiles))
-    flags = set()
-    for tile, parts in seen.items():
-        parts.sort()
-        assert parts[0][0] == 0 and parts[-1][1] == num_kb
-        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), (tile, parts)
-        ctas = [p[2] for p in parts]
-        assert ctas == list(range(ctas[0], ctas[0] + len(ctas))), (tile, parts)
-        assert all(p[3] == ctas[0] and p[4] == len(parts) for p in parts), (tile, parts)
-        assert len(parts) <= max_parts
-        if len(parts) > 1:
-            assert ctas[0] not in flags
-            flags.add(ctas[0])
-    # the busiest CTA has the fewest k-blocks any split over the grid could give it
-    work = [sum(kb1 - kb0 for _, kb0, kb1, _, _ in its) for its in items.values()]
-    assert max(work) == ceil_div(tiles * num_kb, grid)
-
-
-def test_stream_k_heuristic():
-    """Stream-K is taken where the model says the last wave costs more than the fix-up: never
-    with multicast or two accumulators, only for tiles stream_k_takes, with stream_k_plan's
-    tiles and grid; where whole waves fill the SMs, never."""
-    picked = 0
-    for m, n, k in DSV3 + [(4096, 1536, 24576), (1000, 512, 32768), (1000, 7168, 2112),
-                           (4096, 4096, 4096), (132 * 128, 128, 7168)]:
-        for has_c in (False, True):
-            cfg = g.DENSE.select_config(problem(m, n, k, has_c=has_c), H200)
-            tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-            if not cfg.stream_k:
-                continue
-            picked += 1
-            assert cfg.num_multicast == 1 and not cfg.two_accum and cfg.splits == 1
-            assert g.stream_k_takes(cfg.block_m, cfg.block_n, k, has_c)
-            assert (cfg.stream_k, cfg.grid) == g.stream_k_plan(tiles, H200.num_sms,
-                                                               ceil_div(k, 128))[:2]
-    assert picked
-    # 128 tiles of 128x128 on 132 SMs... and exactly one wave of 256x128 tiles: nothing to share
-    assert not g.DENSE.select_config(problem(132 * 256, 128, 7168), H200).stream_k
-    assert g.stream_k_plan(264, 132, 56) == (0, 0, 0)
-
-
-@pytest.mark.parametrize("m,n,k,bm,bn,grid", STREAM_K_CONFIGS)
-def test_stream_k_configs_compile_clean(m, n, k, bm, bn, grid, tmp_path, monkeypatch):
-    """The configs the GPU test runs (64-row ones too, which the heuristic does not take), with C
-    but on 256-row tiles: no local memory,
-    the parts' float4 stores and loads and the flag's atomic in the SASS."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    sk = g.stream_k_plan(ceil_div(m, bm) * ceil_div(n, bn), grid, ceil_div(k, 128))[0]
-    cfg = g.Sm90Config(bm, bn, g.max_stages(bm, bn, k, H200.smem_per_block), 1, False,
-                       g.BAND_SIZE, grid, False, 1, sk)
-    for has_c in (False, True):
-        if has_c and bm == 256:  # (stream_k_takes: no C next to 256-row sums)
-            continue
-        _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, n, k, cfg, has_c=has_c)
-        assert_clean_cubin(compiled, cfg, tool, tmp_path, f"{cfg} C={has_c}")
-        path = tmp_path / "sk.cubin"
-        path.write_bytes(compiled.cubin)
-        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-        assert "ATOMG.E.ADD" in sass and "STG.E.128" in sass and "BAR.RED.OR" in sass, cfg
-
-
-@pytest.mark.parametrize("bm,bn,k", [(256, 128, g.SK_TALL_MAX_K), (256, 128, 512),
-                                     (128, 160, g.MAX_K), (128, 8, 7168)])
-def test_stream_k_limits_compile_clean(bm, bn, k, tmp_path, monkeypatch):
-    """stream_k_takes' limits: the widest and longest tiles it admits compile without local
-    memory (with C where admitted), and 256x136, 256x128 with C and past SK_TALL_MAX_K are the
-    ones that spilled."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = g.Sm90Config(bm, bn, g.max_stages(bm, bn, k, H200.smem_per_block), 1, False,
-                       g.BAND_SIZE, 132, False, 1, 100)
-    has_c = g.stream_k_takes(bm, bn, k, True)
-    assert g.stream_k_takes(bm, bn, k, False)
-    _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, 7168, k, cfg, has_c=has_c)
-    assert_clean_cubin(compiled, cfg, tool, tmp_path, f"{cfg} C={has_c}")
-    assert not g.stream_k_takes(256, 136, 7168, False)
-    assert not g.stream_k_takes(256, 128, 7168, True)
-    assert not g.stream_k_takes(256, 128, 2 * g.SK_TALL_MAX_K, False)
-    assert not g.stream_k_takes(64, 64, 7168, False)
-
-
-def test_stream_k_refusals():
-    """A stream-K plan needs a dense problem, no multicast, one accumulator, no split-K and at
-    most the problem's tiles."""
-    ok = g.Sm90Config(128, 128, 4, 1, False, g.BAND_SIZE, 132, False, 1, 20)
-    assert "stream-k=20" in str(ok)
-    for cfg, prob in [(ok, problem(256, 512, 1024)),  # 8 tiles
-                      (replace(ok, num_multicast=2), problem(4096, 4096, 1024)),
-                      (replace(ok, two_accum=True), problem(4096, 4096, 1024)),
-                      (replace(ok, splits=2), problem(4096, 4096, 1024))]:
-        with pytest.raises(ValueError, match="stream-K needs"):
-            g.Sm90Plan(prob, 0, cfg)
 
 
 def test_split_k_refusals():

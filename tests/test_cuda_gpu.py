@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, STREAM_K_CONFIGS, TOL, calc_diff,
-                     col_major_tma, rand_scales, ref_gemm)
+from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, TOL, calc_diff, col_major_tma, rand_scales,
+                     ref_gemm)
 
 pytestmark = pytest.mark.gpu
 
@@ -259,84 +259,6 @@ def test_split_k_configs(m, n, k, bm, bn, splits, gpu_device):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed, out)
-
-
-def _stream_k_config(problem, facts, bm, bn, grid):
-    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
-
-    tiles = ceil_div(problem.m, bm) * ceil_div(problem.n, bn)
-    sk, _, _ = g.stream_k_plan(tiles, grid, ceil_div(problem.k, 128))
-    assert sk > 0, "the case must share some tiles out"
-    return g.Sm90Config(bm, bn, g.max_stages(bm, bn, problem.k, facts.smem_per_block), 1, False,
-                        g.BAND_SIZE, grid, False, 1, sk)
-
-
-@pytest.mark.parametrize("m,n,k,bm,bn,grid", STREAM_K_CONFIGS)
-def test_stream_k_configs(m, n, k, bm, bn, grid, gpu_device):
-    """Stream-K (tiles summed from parts in the kernel): against float64 with a poisoned out,
-    the same bits on every run (the parts add in a fixed order whichever finishes last), with C
-    and a bias-like C, inside a CUDA graph, and the flags left zero for the next launch."""
-    from fp8gemm.backends.cuda import FAMILIES, launch
-    from fp8gemm.backends.family import DeviceFacts
-
-    fam = {f.name: f for f in FAMILIES}["sm90_fp8_gemm_1d2d"]
-    facts = DeviceFacts.of(gpu_device)
-    problem = dense_problem(m, n, k)
-    cfg = _stream_k_config(problem, facts, bm, bn, grid)
-    a, sa, b, sb = make_operands(m, n, k, gpu_device)
-    want = reference(a, sa, b, sb)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
-    fam.run(cfg, problem, a, sa, b, sb, out)
-    torch.cuda.synchronize()
-    assert not torch.isnan(out).any()
-    assert calc_diff(out, want) < TOL_BF16, cfg
-    for _ in range(3):
-        again = torch.full_like(out, float("nan"))
-        fam.run(cfg, problem, a, sa, b, sb, again)
-        assert torch.equal(again, out), cfg
-    for _, flags in launch._sk_buffers.values():
-        assert not flags.any(), "a launch left a stream-K flag set"
-    if bm < 256:  # (256-row stream-K tiles take no C: SK_TALL_*)
-        with_c = GemmProblem(GemmKind.DENSE, m, n, k, 1, E4M3, E4M3, Recipe.GROUP, Recipe.BLOCK,
-                             torch.bfloat16, has_c=True)
-        c = torch.randn(m, n, device=gpu_device)
-        bias = torch.randn(n, device=gpu_device).expand(m, n)  # row stride 0
-        for cc in (c, bias):
-            out_c = torch.full_like(out, float("nan"))
-            fam.run(cfg, with_c, a, sa, b, sb, out_c, c=cc)
-            assert calc_diff(out_c, want + cc.double()) < TOL_BF16
-    graphed = torch.full_like(out, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fam.run(cfg, problem, a, sa, b, sb, graphed)
-    for _ in range(2):
-        graphed.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(graphed, out)
-    eager = torch.full_like(out, float("nan"))
-    fam.run(cfg, problem, a, sa, b, sb, eager)  # the stream's own buffers, after the graph's
-    assert torch.equal(eager, out)
-
-
-def test_stream_k_heuristic_shapes(gpu_device):
-    """The heuristic's stream-K picks for DeepSeek-V3 shapes (what the bench times) through the
-    public op: against float64, the same bits twice."""
-    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
-    from fp8gemm.backends.family import DeviceFacts
-
-    facts = DeviceFacts.of(gpu_device)
-    seen = 0
-    for m, n, k in [(4096, 7168, 16384), (4096, 1536, 24576), (1000, 512, 32768),
-                    (1000, 7168, 2112)]:
-        if not g.DENSE.select_config(dense_problem(m, n, k), facts).stream_k:
-            continue
-        seen += 1
-        a, sa, b, sb = make_operands(m, n, k, gpu_device)
-        out = run_cuda(a, sa, b, sb)
-        assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
-        assert torch.equal(run_cuda(a, sa, b, sb), out)
-    assert seen, "the heuristic took stream-K for none of the shapes"
 
 
 # --- addressing corner cases ---------------------------------------------------------------------

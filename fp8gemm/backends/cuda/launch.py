@@ -11,8 +11,7 @@ from ... import jit
 from ..._settings import settings
 from ...layout import TMA_ALIGN_BYTES, get_col_major_tma_aligned_tensor
 
-__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch", "cached_plan",
-           "stream_workspace"]
+__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch", "cached_plan"]
 
 P = TypeVar("P")
 # Plans a family keeps (each holds a loaded kernel and its argument packs); a full cache starts
@@ -61,32 +60,6 @@ def launch(kernel: jit.Kernel, config: jit.LaunchConfig, device_index: int,
             kernel.launch(config, stream, pack)
     else:
         kernel.launch(config, stream, pack)
-
-
-# Stream-K workspaces, per (device, raw stream): (float32 parts, int32 flags). The flags start at
-# zero and every launch leaves them zero, so one buffer serves every launch on its stream (a
-# stream's launches run in order).
-_sk_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def stream_workspace(device_index: int, floats: int, flags: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parts, flags) for a launch on the current stream of device `device_index`: at least
-    `floats` float32 parts and `flags` int32 flags, the flags zero.
-    NOTE: under CUDA-graph capture nothing runs, so a cached buffer's zeros could not be
-    established for the graph: a capture takes new ones from the graph's pool, their zero fill
-    recorded before the kernel (the pool keeps the memory for the graph's replays)."""
-    device = torch.device("cuda", device_index)
-    if torch.cuda.is_current_stream_capturing():
-        return (torch.empty(max(floats, 1), dtype=torch.float32, device=device),
-                torch.zeros(flags, dtype=torch.int32, device=device))
-    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
-    bufs = _sk_buffers.get(key)
-    if bufs is None or bufs[0].numel() < floats or bufs[1].numel() < flags:
-        if len(_sk_buffers) >= 64:
-            _sk_buffers.clear()  # (stream-ordered frees: launches queued on them finish first)
-        bufs = _sk_buffers[key] = (torch.empty(max(floats, 1), dtype=torch.float32, device=device),
-                                   torch.zeros(flags, dtype=torch.int32, device=device))
-    return bufs
 
 
 def cached_plan(plans: dict, key: tuple, build: Callable[[], P], family: str, problem,

@@ -21,7 +21,7 @@ from ... import jit
 from ...layout import is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
-from .launch import cached_plan, kernel_a_scales, launch, row_stride, stream_workspace, tma_aligned
+from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
            "smem_bytes", "sa_pad", "sa_box", "max_stages", "num_threads", "tile_cost", "mma_efficiency", "use_two_accum",
@@ -111,69 +111,14 @@ def mma_efficiency(block_m: int, block_n: int) -> float:
     return eff
 
 
-def tile_cost(block_m: int, block_n: int, k: int = 0, two_accum: bool | None = None) -> float:
-    """Modelled time of a tile per unit of K (FLOP units); two_accum None: as use_two_accum."""
+def tile_cost(block_m: int, block_n: int, k: int = 0) -> float:
     cost = max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
                LOAD_WEIGHT * (block_m + block_n))
     # The two accumulators' gain is measured on the whole tile (the model calls 128x128
     # load-bound; it ran faster than that bound with them).
-    if two_accum is None:
-        two_accum = use_two_accum(block_m, block_n, k)
-    if two_accum and k >= TWO_ACCUM_MIN_K:
+    if use_two_accum(block_m, block_n, k) and k >= TWO_ACCUM_MIN_K:
         cost /= TWO_ACCUM_EFFICIENCY
     return cost
-
-
-# --- stream-K ------------------------------------------------------------------------------------
-# Whole tiles leave the last wave part-empty (every M = 4096 DeepSeek-V3 shape runs 0.97 of its
-# waves' SMs busy); stream-K shares the last full wave's and the remainder's k-blocks out evenly
-# (kernel: TileScheduler). The model charges a CTA's k-blocks at the tile's one-accumulator cost
-# (stream-K runs one accumulator: its k-ranges are run-time values) plus the fix-up: a tile done
-# in p parts moves p BLOCK_M x BLOCK_N float32 slots through L2 (p - 1 stored, read by the last
-# part, which may store its own first), at LOAD_WEIGHT per byte.
-# SK_MIN_GAIN: stream-K only where its modelled time is at most this fraction of the best
-# whole-tile config's.
-SK_MIN_GAIN = 0.98
-# NOTE: 256-row tiles hold two FP32 sums per thread: with the fix-up's code beside them ptxas
-# spilled the scheduler's state at 136 wide, with C, and past K = 65536 (K / 128 B scales
-# prefetched). tests/test_cuda_compile.py compiles the limits.
-SK_TALL_BLOCK_N = 128
-SK_TALL_MAX_K = 65536
-
-
-def stream_k_takes(block_m: int, block_n: int, k: int, has_c: bool) -> bool:
-    """Whether stream-K runs this tile: two math warpgroups (one alone, with one accumulator,
-    leaves the tensor cores idle while it promotes: two accumulators ran 64-row tiles 3-9 %
-    faster), and an instance that compiles without spills (SK_TALL_*)."""
-    if block_m == 64:
-        return False
-    return block_m < 256 or (block_n == SK_TALL_BLOCK_N and not has_c and k <= SK_TALL_MAX_K)
-
-
-def stream_k_plan(tiles: int, num_sms: int, num_kb: int) -> tuple[int, int, int]:
-    """(stream-K tiles, grid, most parts of one tile) for `tiles` tiles of `num_kb` k-blocks;
-    (0, 0, 0) where whole waves fill every SM. Fewer tiles than SMs: all of them, over every
-    SM; else the last full wave and the remainder (each CTA 1 to 2 tiles of k-blocks, so a tile
-    has at most two parts)."""
-    if tiles % num_sms == 0 or num_kb < 2:
-        return 0, 0, 0
-    sk = tiles if tiles < num_sms else num_sms + tiles % num_sms
-    width = ceil_div(sk * num_kb, num_sms)
-    parts = min(ceil_div(num_kb - 1, width) + 1, num_kb)
-    return sk, num_sms, parts
-
-
-def stream_k_waves(block_m: int, block_n: int, tiles: int, num_sms: int, k: int) -> float:
-    """Modelled time of a stream-K launch in whole-tile times (one accumulator); inf where
-    stream_k_plan shares nothing out."""
-    num_kb = ceil_div(k, BLOCK_K)
-    sk, grid, parts = stream_k_plan(tiles, num_sms, num_kb)
-    if sk == 0:
-        return float("inf")
-    width = ceil_div(sk * num_kb, grid)
-    fixup = LOAD_WEIGHT * 4 * block_m * block_n * parts
-    per_tile = tile_cost(block_m, block_n, k, two_accum=False) * num_kb * BLOCK_K
-    return (tiles - sk) / grid + width / num_kb + fixup / per_tile
 
 
 
@@ -220,9 +165,6 @@ class Sm90Config:
     # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
     # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
     splits: int = 1
-    # stream-K (dense, one CTA per cluster, one accumulator): the last `stream_k` tiles' k-blocks
-    # shared out evenly over the grid, a tile done in parts summed by the last part in the kernel
-    stream_k: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -237,8 +179,7 @@ class Sm90Config:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
                 + (" accum=2" if self.two_accum else "")
-                + (f" splits={self.splits}" if self.splits > 1 else "")
-                + (f" stream-k={self.stream_k} tiles" if self.stream_k else ""))
+                + (f" splits={self.splits}" if self.splits > 1 else ""))
 
 
 def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
@@ -309,34 +250,12 @@ def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
                       two_accum=use_two_accum(best.block_m, best.block_n, k))
 
 
-def _stream_k_config(cands: list[Candidate], best: Candidate, m: int, n: int, k: int,
-                     facts: DeviceFacts, has_c: bool) -> Sm90Config | None:
-    """The stream-K config of least modelled time, where it beats `best` by SK_MIN_GAIN."""
-    top, top_cost = None, SK_MIN_GAIN * best.cost
-    for c in cands:
-        if not stream_k_takes(c.block_m, c.block_n, k, has_c):
-            continue
-        cost = stream_k_waves(c.block_m, c.block_n, c.tiles, facts.num_sms, k) * \
-            tile_cost(c.block_m, c.block_n, k, two_accum=False)
-        if cost < top_cost:
-            top, top_cost = c, cost
-    if top is None:
-        return None
-    sk, grid, _ = stream_k_plan(top.tiles, facts.num_sms, ceil_div(k, BLOCK_K))
-    return Sm90Config(block_m=top.block_m, block_n=top.block_n, num_stages=top.num_stages,
-                      num_multicast=1, multicast_on_a=True, band_size=BAND_SIZE, grid=grid,
-                      stream_k=sk)
-
-
 @functools.lru_cache(maxsize=4096)
-def _select_dense(m: int, n: int, k: int, facts: DeviceFacts, has_c: bool = False) -> Sm90Config:
+def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     cands = candidate_tiles(m, n, k, facts)
     if not cands:
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     best = min(cands, key=_rank)
-    sk = _stream_k_config(cands, best, m, n, k, facts, has_c)
-    if sk is not None:
-        return sk
     num_m_blocks, num_n_blocks = ceil_div(m, best.block_m), ceil_div(n, best.block_n)
     # NOTE: a 2-CTA cluster shares one operand's tile; both CTAs must run the same tiles in step,
     # so the shared side needs an even block count (pairs of tiles never straddle a band) and the
@@ -405,7 +324,7 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
             f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c and cfg.splits == 1]}, "
-            f"{b[a_e5m2]}, {cfg.splits}, {b[cfg.stream_k > 0]}>")
+            f"{b[a_e5m2]}, {cfg.splits}>")
     return source, name
 
 
@@ -422,7 +341,7 @@ class Sm90Plan:
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
 
     __slots__ = ("cfg", "kind", "has_c", "kernel", "launch", "device_index", "m", "n", "k",
-                 "groups", "num_kb", "packs", "tmaps", "sm_override", "workspaces", "sk_floats")
+                 "groups", "num_kb", "packs", "tmaps", "sm_override", "workspaces")
 
     def __init__(self, problem: GemmProblem, device_index: int, cfg: Sm90Config) -> None:
         # The set_num_sms value the config was chosen under (warm launches compare it).
@@ -441,15 +360,8 @@ class Sm90Plan:
                                or cfg.two_accum or not cfg.splits <= self.num_kb):
             raise ValueError(f"config {cfg}: split-K needs a dense problem, no multicast, one "
                              f"accumulator and at least one of the {self.num_kb} k-blocks a part")
-        tiles = ceil_div(self.m, cfg.block_m) * ceil_div(self.n, cfg.block_n)
-        if cfg.stream_k and (problem.kind is not GemmKind.DENSE or cfg.num_multicast != 1
-                             or cfg.two_accum or cfg.splits != 1 or not cfg.stream_k <= tiles):
-            raise ValueError(f"config {cfg}: stream-K needs a dense problem, no multicast, one "
-                             f"accumulator, no split-K and at most the {tiles} tiles")
         # split-K: a float32 [splits, M, N] workspace per stream (a stream's calls run in order)
         self.workspaces: dict[int, torch.Tensor] = {}
-        # stream-K: two BLOCK_M x BLOCK_N slots of float32 parts per CTA
-        self.sk_floats = 2 * cfg.grid * cfg.block_m * cfg.block_n if cfg.stream_k else 0
         smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
                                                problem.has_c,
@@ -463,8 +375,7 @@ class Sm90Plan:
 
     def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                out: torch.Tensor, index: torch.Tensor | None, key: tuple,
-               c: torch.Tensor | None = None,
-               sk: tuple[torch.Tensor, torch.Tensor] | None = None) -> jit.ParamPack:
+               c: torch.Tensor | None = None) -> jit.ParamPack:
         cfg, m, n, k, kb = self.cfg, self.m, self.n, self.k, self.num_kb
         tm = self.tmaps
         masked = self.kind is GemmKind.MASKED
@@ -502,9 +413,6 @@ class Sm90Plan:
                               ctypes.c_uint32(self.groups), ctypes.c_uint64(out.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.stride(0)),
-                              ctypes.c_uint64(0 if sk is None else sk[0].data_ptr()),
-                              ctypes.c_uint64(0 if sk is None else sk[1].data_ptr()),
-                              ctypes.c_uint32(cfg.stream_k),
                               map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d,
                               map_a_tail])
         if len(self.packs) >= 1024:
@@ -535,14 +443,9 @@ class Sm90Plan:
         # sa's strides are all the descriptors depend on (one-row strides: see row_stride).
         key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
                0 if index is None else index.data_ptr(), _c_key(c))
-        sk = None
-        if self.sk_floats:
-            # (the stream's workspace is part of the key: a pack never outlives its buffers' use)
-            sk = stream_workspace(self.device_index, self.sk_floats, self.cfg.grid)
-            key += (sk[0].data_ptr(), sk[1].data_ptr())
         pack = self.packs.get(key)
         if pack is None:
-            pack = self.params(a, sa, b, sb, dst, index, key, c, sk)
+            pack = self.params(a, sa, b, sb, dst, index, key, c)
         launch(self.kernel, self.launch, self.device_index, pack)
         if dst is not out:
             out.copy_(dst)
@@ -664,7 +567,7 @@ class Sm90Fp8Gemm1d2d(_Sm90Family):
         return _common_refusal(problem)
 
     def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Sm90Config:
-        return _select_dense(problem.m, problem.n, problem.k, facts, problem.has_c)
+        return _select_dense(problem.m, problem.n, problem.k, facts)
 
 
 _M_GROUPED = (GemmKind.CONTIGUOUS, GemmKind.OFFSETS, GemmKind.MASKED)
@@ -723,8 +626,7 @@ class _Launcher:
             last = (index.data_ptr(), None)
         pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
                                out.data_ptr()) + last)
-        # (a stream-K plan's packs also name the stream's workspace: its run looks that up)
-        if pack is not None and plan.sm_override == num_sms_override() and not plan.sk_floats:
+        if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
             self.plan = get_plan(self.problem, self.device_index,

@@ -201,16 +201,12 @@ def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int) -> float:
 
 def dense_estimate_us(problem: GemmProblem, facts: DeviceFacts) -> float:
     """The same model for the dense family's chosen config: its persistent CTAs walk
-    ceil(tiles / grid) tiles of all of K each, at that family's tile cost (stream-K: that
-    family's stream-K time)."""
+    ceil(tiles / grid) tiles of all of K each, at that family's tile cost."""
     m, n, k = problem.m, problem.n, problem.k
     cfg = dense.DENSE.select_config(problem, facts)
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    per_tile = ceil_div(k, BLOCK_K) * BLOCK_K * dense.tile_cost(cfg.block_m, cfg.block_n, k,
-                                                                cfg.two_accum)
-    waves = (dense.stream_k_waves(cfg.block_m, cfg.block_n, tiles, cfg.grid, k) if cfg.stream_k
-             else ceil_div(tiles, cfg.grid))
-    cta = waves * per_tile / SM_FLOPS_PER_US
+    per_tile = ceil_div(k, BLOCK_K) * BLOCK_K * dense.tile_cost(cfg.block_m, cfg.block_n, k)
+    cta = ceil_div(tiles, cfg.grid) * per_tile / SM_FLOPS_PER_US
     return round(FIXED_US + max(dram_us(m, n, k), cta), 3)
 
 

@@ -10,10 +10,6 @@
 //   kNumSplits > 1 (dense only, split-K): each tile's k-blocks are cut in kNumSplits ranges, each a
 //     work item of its own, whose FP32 sums go to `out` as a float32 workspace [kNumSplits, M, N]
 //     (plain stores, no atomics); the host adds the parts in a fixed order (and C) and rounds.
-//   kStreamK (dense only, stream-K): the last sk_tiles tiles' k-blocks are shared out evenly over
-//     the grid (TileScheduler); a tile computed in parts by several CTAs is summed by the last
-//     of them to finish, from FP32 parts in sk_workspace (2 slots of BLOCK_M x BLOCK_N floats per
-//     CTA) counted by sk_flags (one word per CTA, zero before the launch and left zero after).
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
 // (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages.
 #pragma once
@@ -132,13 +128,11 @@ __device__ __forceinline__ void for_each_sum_pair(uint32_t m0, uint32_t n0, uint
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits, bool kStreamK>
+          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
                           uint8_t* __restrict__ out, const float* __restrict__ c, uint64_t c_stride,
-                          float* __restrict__ sk_workspace, uint32_t* __restrict__ sk_flags,
-                          uint32_t sk_tiles,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
@@ -211,10 +205,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                                     !kHasC && kNumSplits <= kNumKBlocks),
                 "split-K: dense, one CTA per cluster, one accumulator, C added by the host, and a "
                 "k-block per split at least");
-  static_assert(!kStreamK || (kKind == kKindDense && kNumTMAMulticast == 1 && !kTwoAccum &&
-                              kNumSplits == 1),
-                "stream-K: dense, one CTA per cluster, one accumulator (a tile's k-blocks are a "
-                "run-time range), no split-K");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
   uint32_t dyn_smem;
@@ -256,16 +246,16 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     __syncthreads();
   }
 
-  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kStreamK,
-                kNumKBlocks> scheduler(shape_m, grouped_layout, num_groups, sk_tiles);
-  // The k-blocks of a work item: all of the tile's without split-K or stream-K.
+  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits> scheduler(
+      shape_m, grouped_layout, num_groups);
+  // The k-blocks of a tile's part: all of them without split-K.
   auto kb_begin = [](const Tile& t) -> uint32_t {
-    if constexpr (kNumSplits == 1 && !kStreamK) return 0;
-    else return t.kb_range & 0xffffu;
+    if constexpr (kNumSplits == 1) return 0;
+    else return t.split * kNumKBlocks / kNumSplits;
   };
   auto kb_end = [](const Tile& t) -> uint32_t {
-    if constexpr (kNumSplits == 1 && !kStreamK) return kNumKBlocks;
-    else return t.kb_range >> 16;
+    if constexpr (kNumSplits == 1) return kNumKBlocks;
+    else return (t.split + 1) * kNumKBlocks / kNumSplits;
   };
   Tile tile;
 
@@ -484,61 +474,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
     };
 
-    // --- stream-K: a tile computed in parts -------------------------------------------------------
-    // Each part's FP32 sums go to a slot of its CTA, each thread's registers as consecutive
-    // float4s (a warp's stores: 512 contiguous bytes); the flag of the tile's first CTA counts
-    // the parts stored. A CTA's range of k-blocks ends in the first part of one tile (slot
-    // 2b + 1) and starts in a later part of another (slot 2b); where it starts at a tile's first
-    // k-block and ends inside that tile, that first part is its only part. The part that finds every
-    // other part stored holds the tile's sums afterwards and returns true: two parts are added
-    // in registers (a + b == b + a, so the bits do not depend on which finished last); three or
-    // more are all stored and added from the workspace in k order. Nobody waits for another CTA.
-    constexpr uint32_t kQuads = kNumWaves * kNumAccum / 4;
-    auto sk_slot = [&](uint32_t first, uint32_t cta) -> float* {
-      return sk_workspace + static_cast<uint64_t>(2 * cta + (cta == first ? 1 : 0)) * (BLOCK_M * BLOCK_N) +
-             threadIdx.x * 4;
-    };
-    auto sk_fixup = [&](const Tile& t) -> bool {
-      const uint32_t first = t.sk_parts & 0xffffu, parts = t.sk_parts >> 16;
-      uint32_t* flag = sk_flags + first;
-      // Two parts: when the other one is stored already, this one need not be.
-      bool others_done = false;
-      if (parts == 2) {
-        const uint32_t stored = threadIdx.x == 0 ? ld_acquire_gpu(flag) : 0;
-        others_done = named_barrier_or(1, kNumMathThreads, stored == 1);
-      }
-      if (!others_done) {
-        float* mine = sk_slot(first, blockIdx.x);
-#pragma unroll
-        for (uint32_t q = 0; q < kQuads; ++q) {
-          const float* v = &final_acc[q / (kNumAccum / 4)][(q % (kNumAccum / 4)) * 4];
-          st_global_v4_f32(mine + q * (4 * kNumMathThreads), v[0], v[1], v[2], v[3]);
-        }
-        // (every thread's stores fenced before the count says they are there)
-        __threadfence();
-        named_barrier_sync(1, kNumMathThreads);
-        const uint32_t before = threadIdx.x == 0 ? atom_add_acq_rel_gpu(flag, 1) : 0;
-        if (!named_barrier_or(1, kNumMathThreads, threadIdx.x == 0 && before + 1 == parts))
-          return false;
-      }
-      if (threadIdx.x == 0) st_relaxed_gpu(flag, 0);  // every other part has counted itself
-      __threadfence();
-      // Two parts: the other one added to this one's sums (a + b == b + a: the same bits
-      // whichever finished last). Three or more: every part stored, added in k order.
-      const bool in_order = parts > 2;
-      for (uint32_t part = in_order ? 0 : 1; part < parts; ++part) {
-        const float* src = sk_slot(first, in_order ? first + part : 2 * first + 1 - blockIdx.x);
-#pragma unroll
-        for (uint32_t q = 0; q < kQuads; ++q) {
-          const F32x4 v = ld_global_cg_v4_f32(src + q * (4 * kNumMathThreads));
-          float* d = &final_acc[q / (kNumAccum / 4)][(q % (kNumAccum / 4)) * 4];
-          if (in_order && part == 0) d[0] = 0.0f, d[1] = 0.0f, d[2] = 0.0f, d[3] = 0.0f;
-          d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
-        }
-      }
-      return true;
-    };
-
     bool has_tile = scheduler.next(tile);
     bool has_prev = false;  // kTwoAccum: a computed tile whose epilogue has not run yet
     Tile prev_tile = tile, next_tile = tile;
@@ -674,11 +609,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         }
       }
 
-      if constexpr (kStreamK) {
-        if (tile.sk_parts >> 16 == 1 || sk_fixup(tile)) epilogue(tile);
-      } else if constexpr (!kTwoAccum) {
-        epilogue(tile);
-      }
+      if constexpr (!kTwoAccum) epilogue(tile);
       tile = next_tile, has_tile = has_next;
     }
     if (has_prev) epilogue(prev_tile);

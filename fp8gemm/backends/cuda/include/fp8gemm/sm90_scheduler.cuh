@@ -28,14 +28,6 @@ struct Tile {
   bool full;         // every row the TMA store would write belongs to the tile's group
   bool b_once;       // the group has one m-block: no other tile reads this tile's B
   uint32_t split;    // dense split-K: which of the kNumSplits k-ranges (set only when > 1)
-  // Dense split-K and stream-K: the tile's k-blocks [kb_begin, kb_end) this work item computes,
-  // kb_begin | kb_end << 16 (set only for those schedules; K / 128 < 2^16).
-  // NOTE: halves packed in one register each: the math warps hold two tiles (this one and the
-  // next) beside a 256-row tile's sums, where four more registers spilled.
-  uint32_t kb_range;
-  // Stream-K: the CTAs first .. first + parts - 1 each compute a consecutive k-range of the tile
-  // in k order (parts == 1: the whole tile), first | parts << 16.
-  uint32_t sk_parts;
 };
 
 // Rows of a contiguous-layout block as a warp sees them: every lane reads BLOCK_M / 32 rows.
@@ -74,18 +66,10 @@ __device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row
 // Every method is called by a whole warp (the contiguous layout is read warp-wide).
 // kNumSplits (dense only): each tile's K range is split in kNumSplits, each part a work item of
 // its own; the parts of one tile are consecutive items (CTAs b, b + 1, ... of one wave).
-// kStreamK (dense only): the first num_tiles - sk_tiles tiles run whole, b, b + gridDim.x, ...
-// (whole waves, as the host sizes sk_tiles); the k-blocks of the last sk_tiles tiles form one
-// sequence of sk_tiles * kNumKBlocks iterations that CTA b takes [b * W, (b + 1) * W) of, W =
-// ceil(iterations / gridDim.x): every CTA ends within one k-block of the others, where whole
-// tiles would leave the last wave part-empty. A tile whose k-blocks fall to several CTAs is
-// summed by the last of them to finish (sk_fixup in the kernel).
 template <uint32_t kKind, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize, bool kBandAlongM,
-          uint32_t kNumSplits = 1, bool kStreamK = false, uint32_t kNumKBlocks = 1>
+          uint32_t kNumSplits = 1>
 struct TileScheduler {
   static_assert(kKind == kKindDense || kNumSplits == 1, "split-K is a dense schedule");
-  static_assert(kKind == kKindDense || !kStreamK, "stream-K is a dense schedule");
-  static_assert(kNumSplits == 1 || !kStreamK, "split-K or stream-K, not both");
   uint32_t shape_m;     // rows of A as stored: M, sum M, or Mmax (masked)
   uint32_t num_groups;
   const int32_t* layout;
@@ -101,33 +85,17 @@ struct TileScheduler {
   // same n-block in the same CTA, so the repeated work spreads over the CTAs as the tiles do.
   uint32_t extra_m0, extra_n;
   int32_t extra_group, extra_last;
-  // Stream-K: the kernel argument. next_tile counts whole tiles, then (kSkPhase set) this CTA's
-  // next iteration.
-  // NOTE: W and the bounds are worked out again at each tile from the argument (which ptxas
-  // can reload from the parameter bank): held in registers they made 256-row tiles spill.
-  uint32_t sk_tiles;
-  static constexpr uint32_t kSkPhase = 0x80000000u;
 
   __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
-                                           uint32_t num_groups_, uint32_t sk_tiles_ = 0)
+                                           uint32_t num_groups_)
       : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
         num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks * kNumSplits), next_tile(blockIdx.x),
         group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
-        ahead_first(-1), ahead_last(-1), extra_m0(0), extra_n(0), extra_group(0), extra_last(-1),
-        sk_tiles(sk_tiles_) {
+        ahead_first(-1), ahead_last(-1), extra_m0(0), extra_n(0), extra_group(0), extra_last(-1) {
     if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
       if (num_groups > 0) load_group(0);
     }
     if constexpr (kKind == kKindContiguous) look_ahead();
-  }
-
-  // Stream-K: the tiles that run whole (the host keeps sk_tiles <= num_tiles; clamped so that a
-  // bad value cannot address tiles past the grid), and the iterations per CTA.
-  __device__ __forceinline__ uint32_t dp_tiles() const {
-    return sk_tiles < num_tiles ? num_tiles - sk_tiles : 0;
-  }
-  __device__ __forceinline__ uint32_t sk_width() const {
-    return ceil_div((num_tiles - dp_tiles()) * kNumKBlocks, gridDim.x);
   }
 
   // Contiguous: the first and last row groups of tile next_tile's block.
@@ -222,40 +190,11 @@ struct TileScheduler {
   // The next tile of this CTA; false when none is left.
   __device__ __forceinline__ bool next(Tile& t) {
     if constexpr (kKind == kKindDense) {
+      if (next_tile >= num_tiles) return false;
       uint32_t m_block, n_block;
-      if constexpr (kStreamK) {
-        uint32_t tile;
-        const uint32_t dp = dp_tiles();
-        if (!(next_tile & kSkPhase) && next_tile < dp) {
-          tile = next_tile;
-          next_tile += gridDim.x;
-          t.kb_range = kNumKBlocks << 16, t.sk_parts = 1u << 16;
-        } else {
-          const uint32_t width = sk_width();
-          const uint32_t iters = (num_tiles - dp) * kNumKBlocks;
-          const uint32_t end = (blockIdx.x + 1) * width < iters ? (blockIdx.x + 1) * width : iters;
-          if (!(next_tile & kSkPhase)) next_tile = kSkPhase | blockIdx.x * width;
-          const uint32_t sk_it = next_tile & ~kSkPhase;
-          if (sk_it >= end) return false;
-          const uint32_t sk_tile = sk_it / kNumKBlocks;
-          const uint32_t it0 = sk_tile * kNumKBlocks;
-          const uint32_t kb_end = end - it0 < kNumKBlocks ? end - it0 : kNumKBlocks;
-          t.kb_range = (sk_it - it0) | kb_end << 16;
-          const uint32_t first = it0 / width;
-          t.sk_parts = first | ((it0 + kNumKBlocks - 1) / width - first + 1) << 16;
-          next_tile = kSkPhase | (it0 + kb_end);
-          tile = dp + sk_tile;
-        }
-        tile_coords(tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
-      } else {
-        if (next_tile >= num_tiles) return false;
-        tile_coords(next_tile / kNumSplits, ceil_div(shape_m, BLOCK_M), m_block, n_block);
-        if constexpr (kNumSplits > 1) {
-          t.split = next_tile % kNumSplits;
-          t.kb_range = t.split * kNumKBlocks / kNumSplits | (t.split + 1) * kNumKBlocks / kNumSplits << 16;
-        }
-        next_tile += gridDim.x;
-      }
+      tile_coords(next_tile / kNumSplits, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+      if constexpr (kNumSplits > 1) t.split = next_tile % kNumSplits;
+      next_tile += gridDim.x;
       t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
       t.b_once = shape_m <= BLOCK_M;
