@@ -26,8 +26,8 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as dense
 from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, align, ceil_div
-from helpers import TMA_LOAD_WITH_POLICY, TOL, calc_diff, col_major_tma, compiler_or_skip, poisoned, rand_fp8, \
-    rand_scales, ref_gemm
+from helpers import (TMA_LOAD_WITH_POLICY, TOL, calc_diff, col_major_tma, compiler_or_skip,
+                     poisoned, rand_fp8, rand_scales, ref_gemm)
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
