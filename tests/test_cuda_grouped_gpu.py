@@ -214,6 +214,57 @@ def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
         check_masked(out, a, sa, b, sb, masked_m)
 
 
+@pytest.mark.parametrize("two_accum", [True, False], ids=["two-accum", "one-accum"])
+@pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
+def test_idle_half_warpgroup(kind, two_accum, gpu_device):
+    """128-row tiles whose second math warpgroup has no rows of the tile (a group's last block
+    with at most 64 rows, masked_m % 128 in 1..64) run that warpgroup's k-loop without wgmma;
+    blocks with 65..127 rows and whole ones compute on both. The config is built directly, with
+    one and with two accumulators."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
+    from fp8gemm.backends.family import DeviceFacts
+    from fp8gemm.problem import GemmKind, GemmProblem
+
+    n, k = 576, 1408
+    sizes = [1, 64, 65, 128, 129, 192, 193, 300, 0, 63]
+    g = len(sizes)
+    b, sb = grouped_b(g, n, k, gpu_device)
+    if kind == "masked":
+        mmax = 320
+        a, sa, _, _ = masked_case(g, mmax, n, k, gpu_device)
+        masked_m = torch.tensor(sizes, dtype=torch.int32, device=gpu_device)
+        layout, m, out_shape = masked_m, mmax, (g, mmax, n)
+    else:
+        if kind == "contiguous":
+            layout = contiguous_layout(sizes, 128, gpu_device)
+            groups = layout
+        else:
+            layout = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32,
+                                  device=gpu_device)
+            groups = torch.repeat_interleave(torch.arange(g, device=gpu_device),
+                                             torch.tensor(sizes, device=gpu_device)).int()
+        m = layout.numel() if kind == "contiguous" else sum(sizes)
+        a = torch.randn(m, k, device=gpu_device).to(E4M3)
+        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
+        out_shape = (m, n)
+    problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
+                          Recipe.BLOCK, torch.bfloat16, expected_m=128 if kind == "masked" else 0)
+    facts = DeviceFacts.of(gpu_device)
+    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=128, block_n=128,
+                  num_stages=sm90.max_stages(128, 128, k, facts.smem_per_block, problem.kind),
+                  two_accum=two_accum, num_multicast=1, splits=1,
+                  grid=min(facts.num_sms, 2 * g * ceil_div(n, 128)))
+    out = torch.full(out_shape, NAN, dtype=torch.bfloat16, device=gpu_device)
+    sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, layout)
+    torch.cuda.synchronize()
+    if kind == "masked":
+        check_masked(out, a, sa, b, sb, layout)
+    else:
+        check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+
+
 def test_bit_identical_repeats(gpu_device):
     idx = contiguous_layout([700, 129, 2000], 128, gpu_device)
     m, n, k = idx.numel(), 4096, 7168

@@ -542,7 +542,26 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         if (++stage == kNumStages) stage = 0, phase ^= 1;
       };
 
-      if constexpr (kTwoAccum) {
+      // NOTE: a math warpgroup whose 64 rows hold none of the tile's (a group's last block, rows
+      // at or past masked_m) issues no wgmma and promotes nothing: it only waits for the stages
+      // and releases them, in step with the other warpgroup. (BLOCK_M = 128 only: with one math
+      // warpgroup a tile has rows in it, and the waves of a 256-row tile run through both.)
+      constexpr bool kSkipsHalves = kKind != kKindDense && kNumMathThreads == 256 && kNumWaves == 1;
+      // NOTE: the idle k-loop is a branch of its own: a wgmma under a run-time condition inside
+      // the unrolled k-blocks makes ptxas serialise every wgmma of the kernel (C7514).
+      if (kSkipsHalves && !((tile.halves >> warpgroup) & 1u)) {
+        const uint32_t kb1 = kb_end(tile);
+        for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
+          mbar_wait(&full_bar[stage], phase);
+          // (with two accumulators the previous tile's epilogue runs after the first wait, as
+          // in the other warpgroup's loop below)
+          if (kTwoAccum && kb == kb_begin(tile) && has_prev) epilogue(prev_tile);
+          release(stage);
+          next_stage();
+        }
+        zero_sums();
+        if (kTwoAccum) prev_tile = tile, has_prev = true;
+      } else if constexpr (kTwoAccum) {
         // NOTE: k-blocks alternate between acc (even offset in the chunk) and acc1; the A scales
         // are read at issue time (the producer may refill a stage once it is released).
         // ptxas serialises every wgmma (C7514) when a loop carries a group in flight across its

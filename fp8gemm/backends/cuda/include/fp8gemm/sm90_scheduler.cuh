@@ -27,14 +27,16 @@ struct Tile {
   uint32_t rows;     // rows of the group from m0 (offsets, masked; BLOCK_M or fewer)
   bool full;         // every row the TMA store would write belongs to the tile's group
   bool b_once;       // the group has one m-block: no other tile reads this tile's B
+  uint32_t halves;   // bit h: rows [h * BLOCK_M / 2, (h + 1) * BLOCK_M / 2) hold rows of the tile
   uint32_t split;    // dense split-K: which of the kNumSplits k-ranges (set only when > 1)
 };
 
 // Rows of a contiguous-layout block as a warp sees them: every lane reads BLOCK_M / 32 rows.
 struct BlockGroups {
-  int32_t first;  // smallest valid group (num_groups when none)
-  int32_t last;   // largest valid group (-1 when none)
-  bool uniform;   // every row in [m0, min(m0 + BLOCK_M, M)) belongs to `first`
+  int32_t first;    // smallest valid group (num_groups when none)
+  int32_t last;     // largest valid group (-1 when none)
+  bool uniform;     // every row in [m0, min(m0 + BLOCK_M, M)) belongs to `first`
+  uint32_t halves;  // bit h: half h of the block (lanes 16h..16h+15) has rows of `first`
 };
 
 __device__ __forceinline__ int32_t warp_min_s32(int32_t v) {
@@ -155,10 +157,12 @@ struct TileScheduler {
     const uint32_t lane = lane_idx();
     int32_t lo = static_cast<int32_t>(num_groups), hi = -1;
     bool any_padding = false;
+    int32_t groups[kRowsPerLane];
 #pragma unroll
     for (uint32_t i = 0; i < kRowsPerLane; ++i) {
       const uint32_t row = m0 + lane * kRowsPerLane + i;
       const int32_t g = row_group(layout, row, shape_m, num_groups);
+      groups[i] = g;
       if (g >= 0) {
         lo = g < lo ? g : lo;
         hi = g > hi ? g : hi;
@@ -170,6 +174,11 @@ struct TileScheduler {
     r.first = warp_min_s32(lo);
     r.last = warp_max_s32(hi);
     r.uniform = r.first == r.last && !__any_sync(0xffffffffu, any_padding);
+    bool mine = false;
+#pragma unroll
+    for (uint32_t i = 0; i < kRowsPerLane; ++i) mine |= groups[i] == r.first;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, mine);
+    r.halves = ((ballot & 0xffffu) != 0 ? 1u : 0u) | ((ballot >> 16) != 0 ? 2u : 0u);
     return r;
   }
 
@@ -197,7 +206,7 @@ struct TileScheduler {
       next_tile += gridDim.x;
       t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
-      t.b_once = shape_m <= BLOCK_M;
+      t.b_once = shape_m <= BLOCK_M, t.halves = 3;
       return true;
     } else if constexpr (kKind == kKindContiguous) {
       static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 256, "whole rows per lane in a block scan");
@@ -206,7 +215,7 @@ struct TileScheduler {
         extra_group = next_group_in_block(extra_m0, extra_group);
         t.m0 = t.sa_m = static_cast<int32_t>(extra_m0);
         t.n_block = extra_n, t.group = static_cast<uint32_t>(extra_group), t.rows = BLOCK_M;
-        t.full = false, t.b_once = false;
+        t.full = false, t.b_once = false, t.halves = 3;
         return true;
       }
       const uint32_t num_m_blocks = ceil_div(shape_m, BLOCK_M);
@@ -218,7 +227,7 @@ struct TileScheduler {
         const int32_t first = ahead_first, last = ahead_last;
         look_ahead();
         t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
-        t.n_block = n_block, t.rows = BLOCK_M, t.b_once = false;
+        t.n_block = n_block, t.rows = BLOCK_M, t.b_once = false, t.halves = 3;
         // NOTE: the rows of a group are consecutive (padding rows follow them), so a block whose
         // first and last rows belong to one group holds only that group.
         if (first >= 0 && first == last) {
@@ -227,7 +236,7 @@ struct TileScheduler {
         }
         const BlockGroups bg = block_groups(m_block * BLOCK_M);
         if (bg.last < 0) continue;
-        t.group = static_cast<uint32_t>(bg.first), t.full = bg.uniform;
+        t.group = static_cast<uint32_t>(bg.first), t.full = bg.uniform, t.halves = bg.halves;
         extra_m0 = m_block * BLOCK_M, extra_n = n_block;
         extra_group = bg.first, extra_last = bg.last;
         return true;
@@ -250,6 +259,7 @@ struct TileScheduler {
       t.rows = group_rows - row_in_group < BLOCK_M ? group_rows - row_in_group : BLOCK_M;
       t.full = t.rows == BLOCK_M;
       t.b_once = group_rows <= BLOCK_M;
+      t.halves = t.rows > BLOCK_M / 2 ? 3u : 1u;
       return true;
     }
   }
