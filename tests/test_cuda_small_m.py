@@ -83,10 +83,20 @@ def test_thin_n_long_k_goes_to_the_small_m_family_split():
 
 def test_large_problems_stay_with_the_dense_family():
     for m, n, k in [(4096, 7168, 2048), (257, 2112, 7168), (256, 7168, 2048), (64, 24576, 1536),
-                    (1, 32768, 512), (129, 7168, 16384)]:
+                    (1, 32768, 512), (161, 7168, 16384)]:
         assert chosen(m, n, k) is dense.DENSE, (m, n, k)
     why = sm.SMALL_M.declines(problem(256, 7168, 2048), H200)
     assert isinstance(why, str) and "one wave" in why
+
+
+def test_wide_n_up_to_160_tokens_reads_b_once():
+    """M = 129..160 at N = 7168: 112 tiles of one token tile each (B read once) fit one wave,
+    where two token tiles would need 224 CTAs."""
+    for m in (129, 144, 160):
+        for k in (2048, 16384):
+            cfg = sm.SMALL_M.select_config(problem(m, 7168, k), H200)
+            assert chosen(m, 7168, k) is sm.SMALL_M, (m, k)
+            assert cfg.block_m == align(m, 8) and cfg.grid == 112, (m, k, cfg)
 
 
 def test_declines_where_the_dense_model_is_as_fast():

@@ -3,7 +3,7 @@ out, computed as D^T = B . A^T and split along K over a thread-block cluster.
 
 Kernel: include/fp8gemm/sm90_fp8_gemm_small_m.cuh. N, K, the token tile, the split and the
 stages are compile-time constants; M is a kernel argument. One CTA per (tile, split), one wave:
-a tile is 64 rows of B (wgmma's 64-row side) by `block_m` tokens (wgmma's N, 8..128); the
+a tile is 64 rows of B (wgmma's 64-row side) by `block_m` tokens (wgmma's N, 8..160); the
 `num_splits` CTAs of a cluster share its K range and sum their FP32 partial tiles in rank order
 through distributed shared memory.
 
@@ -37,9 +37,11 @@ BLOCK_K = SCALE_BLOCK
 # a tile's B scale is one value per k-block.
 BLOCK_N = 64
 # NOTE: tokens are wgmma's N; each math thread holds the accumulator and the FP32 sums, BLOCK_M / 2
-# floats each, and BLOCK_M / 4 token scales: at 128 tokens ptxas still fits every variant in the
-# 384-thread launch's 168 registers without spills (tests/test_cuda_small_m.py compiles them).
-MAX_BLOCK_M = 128
+# floats each, and BLOCK_M / 4 token scales: at 160 tokens ptxas still fits every variant in the
+# math warpgroups' 232 registers without spills (tests/test_cuda_small_m.py compiles them); at 192
+# it spills. 160 lets M = 129..160 run as one token tile, B read once, where the dense family's
+# 256-row tiles compute rows that do not exist.
+MAX_BLOCK_M = 160
 # Above two token tiles of 128 the dense family's 128- and 256-row tiles read B fewer times.
 MAX_M = 256
 # A portable cluster holds at most 8 CTAs.

@@ -4,7 +4,7 @@
 //   B [N, K] e4m3, K-major; sb float32 per 128x128 block, row-major [ceil(N/128), ceil(K/128)]
 //   D [M, N] bf16, rows `ld_out` elements apart (a multiple of 8), written untransposed.
 // One CTA per (tile, split): a tile is 64 rows of B (wgmma's M side) by BLOCK_M rows of A (its
-// N side, 8..128 tokens); the kNumSplits CTAs of a cluster each take a contiguous range of the
+// N side, 8..160 tokens); the kNumSplits CTAs of a cluster each take a contiguous range of the
 // k-blocks and leave an FP32 partial tile in their own shared memory, which the cluster then
 // sums in rank order through distributed shared memory (each CTA reduces and stores 1/kNumSplits
 // of the tile). No workspace, no atomics: the same bits on every run, safe under graph capture.
@@ -71,8 +71,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;
 
   // --- static checks ----------------------------------------------------------------------------
-  static_assert(BLOCK_M % 8 == 0 && BLOCK_M >= 8 && BLOCK_M <= 128,
-                "tokens are wgmma's N: 8..128 in steps of 8 (two BLOCK_M / 2 float arrays per thread)");
+  static_assert(BLOCK_M % 8 == 0 && BLOCK_M >= 8 && BLOCK_M <= 160,
+                "tokens are wgmma's N: 8..160 in steps of 8 (two BLOCK_M / 2 float arrays per thread)");
   static_assert(SHAPE_K % 16 == 0, "TMA needs K-major rows of a multiple of 16 bytes");
   static_assert(SHAPE_N % 8 == 0, "16-byte stores of bf16 output rows need N % 8 == 0");
   static_assert(kNumSplits >= 1 && kNumSplits <= 8, "a portable cluster holds at most 8 CTAs");
