@@ -108,39 +108,77 @@ def test_contiguous_unaligned_layout(gpu_device):
     check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
 
 
-@pytest.mark.parametrize("layout", ["padded-128", "unaligned", "padding-blocks"])
-def test_contiguous_256_row_tiles(layout, gpu_device):
-    """256-row tiles (the heuristic's pick for long groups) on layouts whose 256-row blocks hold
-    two groups, -1 rows inside blocks, an out-of-range index and whole blocks of padding: each
-    group of a block runs under its own row mask. The config is built directly."""
+def contiguous_config_case(layout: str, sizes, n: int, k: int, device, **fields):
+    """A contiguous GEMM of `layout` ("padded-128", "padded-512": whole blocks of padding,
+    "unaligned": bad indices too) run through a config built directly from the heuristic's with
+    `fields` changed (stages re-derived, grid one CTA per tile up to the SM count, rounded down
+    to the cluster). Returns (out, the float64 reference, each row's group or -1)."""
     from dataclasses import replace
 
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
     from fp8gemm.backends.family import DeviceFacts
     from fp8gemm.problem import GemmKind, GemmProblem
 
-    n, k = 1088, 640  # an N tail of 64 columns
-    sizes = {"padded-128": [300, 129, 1000, 0, 700], "unaligned": [50, 3, 200, 77, 530, 301],
-             "padding-blocks": [100, 600, 5]}[layout]
-    idx = (unaligned_layout(sizes, gpu_device) if layout == "unaligned" else
-           contiguous_layout(sizes, 128 if layout == "padded-128" else 512, gpu_device))
+    idx = (unaligned_layout(sizes, device) if layout == "unaligned" else
+           contiguous_layout(sizes, int(layout.split("-")[1]), device))
     num_groups = len(sizes)
     groups = torch.where(idx < num_groups, idx, -1)
     m = idx.numel()
     problem = GemmProblem(GemmKind.CONTIGUOUS, m, n, k, num_groups, E4M3, E4M3, Recipe.GROUP,
                           Recipe.BLOCK, torch.bfloat16)
-    facts = DeviceFacts.of(gpu_device)
-    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=256, block_n=128,
-                  num_stages=sm90.max_stages(256, 128, k, facts.smem_per_block,
-                                             GemmKind.CONTIGUOUS),
-                  two_accum=False, grid=min(facts.num_sms, ceil_div(m, 256) * ceil_div(n, 128)))
-    a = torch.randn(m, k, device=gpu_device).to(E4M3)
-    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
-    b, sb = grouped_b(num_groups, n, k, gpu_device)
-    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=gpu_device)
+    facts = DeviceFacts.of(device)
+    cfg = replace(sm90.GROUPED.select_config(problem, facts), **fields)
+    cluster = cfg.num_multicast
+    grid = fields.get("grid", min(facts.num_sms, ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)))
+    cfg = replace(cfg, num_stages=sm90.max_stages(cfg.block_m, cfg.block_n, k,
+                                                  facts.smem_per_block, GemmKind.CONTIGUOUS),
+                  grid=max(cluster, grid - grid % cluster))
+    a = torch.randn(m, k, device=device).to(E4M3)
+    sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), device))
+    b, sb = grouped_b(num_groups, n, k, device)
+    out = torch.full((m, n), NAN, dtype=torch.bfloat16, device=device)
     sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, idx)
     torch.cuda.synchronize()
-    check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+    return out, reference_rows(a, sa, b, sb, groups), groups, (cfg, problem, a, sa, b, sb, idx)
+
+
+@pytest.mark.parametrize("layout", ["padded-128", "unaligned", "padded-512"])
+def test_contiguous_256_row_tiles(layout, gpu_device):
+    """256-row tiles (the heuristic's pick for long groups) on layouts whose 256-row blocks hold
+    two groups, -1 rows inside blocks, an out-of-range index and whole blocks of padding: each
+    group of a block runs under its own row mask."""
+    sizes = {"padded-128": [300, 129, 1000, 0, 700], "unaligned": [50, 3, 200, 77, 530, 301],
+             "padded-512": [100, 600, 5]}[layout]
+    out, ref, groups, _ = contiguous_config_case(layout, sizes, 1088, 640, gpu_device,  # N tail 64
+                                                 block_m=256, block_n=128, two_accum=False)
+    check_rows(out, ref, groups)
+
+
+@pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x160"])
+@pytest.mark.parametrize("layout,sizes", [
+    ("padded-128", [300, 129, 1000, 0, 700, 77]),   # 19 blocks: the last pair has one
+    ("unaligned", [50, 3, 200, 77, 530, 301]),      # blocks of several groups, bad indices
+    ("padded-512", [100, 600, 5, 1300]),            # whole blocks of padding
+    ("padded-128", [128] * 3),                      # 3 blocks, pairs of different groups
+], ids=["odd-blocks", "unaligned", "padding-blocks", "one-block-groups"])
+def test_contiguous_multicast_b(layout, sizes, tile, gpu_device):
+    """2-CTA clusters sharing B between the pair's 128-row tiles where both are of one group, and
+    each loading its own otherwise; a CTA whose block has fewer groups than its peer's runs empty
+    tiles in step. Rows match float64 and rows of no group stay NaN; the sums are the same bits
+    whatever the grid (a tile's k-blocks are summed in one order)."""
+    bn, two_accum = (128, True) if tile == "128x128-two-accum" else (int(tile[4:]), False)
+    fields = dict(block_m=128, block_n=bn, two_accum=two_accum, num_multicast=2,
+                  multicast_on_a=False)
+    torch.manual_seed(0)
+    out, ref, groups, _ = contiguous_config_case(layout, sizes, 1088, 896, gpu_device, **fields)
+    check_rows(out, ref, groups)
+    valid = groups >= 0
+    for grid in (2, 6):
+        torch.manual_seed(0)
+        again, _, _, _ = contiguous_config_case(layout, sizes, 1088, 896, gpu_device, grid=grid,
+                                                **fields)
+        assert torch.equal(again[valid], out[valid]), f"grid {grid}: other bits"
+        assert torch.isnan(again[~valid]).all()
 
 
 @pytest.mark.parametrize("sizes,n,k", [([4096] * 8, 4096, 7168), ([1000, 0, 3, 555, 128, 1], 576, 320),

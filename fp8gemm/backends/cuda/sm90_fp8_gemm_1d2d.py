@@ -351,11 +351,20 @@ class Sm90Plan:
         self.num_kb = ceil_div(problem.k, BLOCK_K)
         self.device_index = device_index
         if cfg.num_multicast == 2:
-            blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
-                      else ceil_div(self.m, cfg.block_m))
-            if problem.kind is not GemmKind.DENSE or blocks % 2 or cfg.band_size % 2:
-                raise ValueError(f"config {cfg}: multicast needs a dense problem, an even block "
-                                 f"count on the shared side and an even band")
+            if cfg.band_size % 2 or cfg.grid % 2:
+                raise ValueError(f"config {cfg}: multicast needs an even band and an even grid")
+            if problem.kind is GemmKind.CONTIGUOUS:
+                # pairs of m-blocks sharing B (the kernel's kPairs): any block count
+                if cfg.multicast_on_a or cfg.block_m != 128:
+                    raise ValueError(f"config {cfg}: a contiguous GEMM multicasts B between "
+                                     f"128-row tiles only")
+            else:
+                blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
+                          else ceil_div(self.m, cfg.block_m))
+                if problem.kind is not GemmKind.DENSE or blocks % 2:
+                    raise ValueError(f"config {cfg}: multicast needs a dense or contiguous "
+                                     f"problem and, dense, an even block count on the shared "
+                                     f"side")
         if cfg.splits > 1 and (problem.kind is not GemmKind.DENSE or cfg.num_multicast != 1
                                or cfg.two_accum or not cfg.splits <= self.num_kb):
             raise ValueError(f"config {cfg}: split-K needs a dense problem, no multicast, one "

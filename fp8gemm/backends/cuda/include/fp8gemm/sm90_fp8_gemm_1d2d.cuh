@@ -176,6 +176,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // prefetch at K = MAX_K needs more than 232 next to a 160-wide tile).
   constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
   constexpr bool kBandAlongM = kNumTMAMulticast > 1 && !kIsMulticastOnA;
+  // NOTE: a contiguous kernel in 2-CTA clusters shares B between the pair's tiles where both are
+  // of one group (sm90_scheduler.cuh, kPairs); the pair runs every tile in step, empty ones too.
+  constexpr bool kPairs = kKind == kKindContiguous && kNumTMAMulticast > 1;
   // Output tile in shared memory: kNumDChunks column chunks of 64 (128 bytes a row, 128-byte
   // swizzle, one TMA store each through tmap_d), then the last BLOCK_N % 64 columns unswizzled
   // (tmap_d_tail).
@@ -194,7 +197,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(SHAPE_K % 16 == 0, "TMA needs K-major rows of a multiple of 16 bytes");
   static_assert(SHAPE_N % 8 == 0, "TMA store needs bf16 output rows of a multiple of 16 bytes");
   static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
-  static_assert(kKind == kKindDense || kNumTMAMulticast == 1, "grouped kernels run without clusters");
+  static_assert(kKind == kKindDense || kNumTMAMulticast == 1 ||
+                    (kPairs && !kIsMulticastOnA && BLOCK_M == 128),
+                "grouped kernels run without clusters, but for contiguous 128-row tiles sharing B");
   static_assert(kKind == kKindDense || !kHasC, "C is a dense kernel's input");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
@@ -246,7 +251,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     __syncthreads();
   }
 
-  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits> scheduler(
+  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kPairs> scheduler(
       shape_m, grouped_layout, num_groups);
   // The k-blocks of a tile's part: all of them without split-K.
   auto kb_begin = [](const Tile& t) -> uint32_t {
@@ -293,6 +298,19 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         }
       }
       const uint32_t kb1 = kb_end(t);
+      if constexpr (kPairs) {
+        // An empty tile: the stages complete on the arrival alone.
+        if (t.halves == 0) {
+          for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
+            mbar_wait(&empty_bar[stage], phase ^ 1);
+            mbar_arrive(&full_bar[stage]);
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+          }
+          return;
+        }
+      }
+      // (pairs: the tile's B comes through the leader's multicast, else each CTA loads its own)
+      const bool multicast_b = kNumTMAMulticast > 1 && !kIsMulticastOnA && (!kPairs || t.multicast);
       for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
@@ -309,7 +327,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         } else {
           tma_load_2d(dst_a, map_a, bar, k0, m0);
         }
-        if (kNumTMAMulticast > 1 && !kIsMulticastOnA) {
+        if (multicast_b) {
           if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
         } else if (t.b_once) {
           tma_load_2d_hint(dst_b, &tmap_b, bar, k0, n0, policy_once);
@@ -387,6 +405,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
 
     // --- epilogue: final_acc -> bf16 tile in shared memory -> TMA stores ------------------------
     auto epilogue = [&](const Tile& t) {
+      if constexpr (kPairs) {
+        if (t.halves == 0) return;  // an empty tile stores nothing
+      }
       if constexpr (kNumSplits > 1) {
         // Split-K: this part's FP32 sums to its slice of the workspace, two columns a store.
         // The barrier stands for the one the bf16 epilogue opens with: no math thread rewrites smem_sb for the next tile while another still

@@ -29,6 +29,16 @@ struct Tile {
   bool b_once;       // the group has one m-block: no other tile reads this tile's B
   uint32_t halves;   // bit h: rows [h * BLOCK_M / 2, (h + 1) * BLOCK_M / 2) hold rows of the tile
   uint32_t split;    // dense split-K: which of the kNumSplits k-ranges (set only when > 1)
+  bool multicast;    // pairs: both CTAs' tiles read the same group's B (set only with kPairs)
+};
+
+// Pairs: one block's groups, walked one tile at a time (cur: the group of the tile to come, -1
+// once the block has no more).
+struct BlockWalk {
+  int32_t cur, last;
+  uint32_t m0;
+  bool uniform;      // the tile to come is the block's only group, no padding
+  uint32_t halves;   // Tile::halves of the tile to come
 };
 
 // Rows of a contiguous-layout block as a warp sees them: every lane reads BLOCK_M / 32 rows.
@@ -68,10 +78,19 @@ __device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row
 // Every method is called by a whole warp (the contiguous layout is read warp-wide).
 // kNumSplits (dense only): each tile's K range is split in kNumSplits, each part a work item of
 // its own; the parts of one tile are consecutive items (CTAs b, b + 1, ... of one wave).
+// kPairs (contiguous, 2-CTA clusters sharing B): a work item is a pair of m-blocks (2p, 2p + 1)
+// on one n-block, banded along M (kBandSize / 2 pairs a band), CTA rank r computing block
+// 2p + r. The pair's two CTAs must run the same tiles in step (each releases every stage to both),
+// so both walk both blocks' groups and take max(groups of block 2p, of 2p + 1) tiles per item: a
+// CTA whose block has fewer (padding, fewer groups, past the last block) runs empty tiles
+// (halves == 0: its stages are waited for and released, nothing loaded, computed or stored).
+// A tile pair is multicast (one load of B into both CTAs) where both tiles are of one group.
 template <uint32_t kKind, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize, bool kBandAlongM,
-          uint32_t kNumSplits = 1>
+          uint32_t kNumSplits = 1, bool kPairs = false>
 struct TileScheduler {
   static_assert(kKind == kKindDense || kNumSplits == 1, "split-K is a dense schedule");
+  static_assert(!kPairs || (kKind == kKindContiguous && kBandAlongM && kBandSize % 2 == 0),
+                "pairs of m-blocks: contiguous, banded along M, whole pairs a band");
   uint32_t shape_m;     // rows of A as stored: M, sum M, or Mmax (masked)
   uint32_t num_groups;
   const int32_t* layout;
@@ -87,6 +106,11 @@ struct TileScheduler {
   // same n-block in the same CTA, so the repeated work spreads over the CTAs as the tiles do.
   uint32_t extra_m0, extra_n;
   int32_t extra_group, extra_last;
+  // Pairs: this CTA's and its peer's block of the current item, its n-block, the CTA's rank, and
+  // the peer block's ahead_first / ahead_last.
+  BlockWalk own, peer;
+  uint32_t item_n, rank;
+  int32_t peer_ahead_first, peer_ahead_last;
 
   __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
                                            uint32_t num_groups_)
@@ -97,24 +121,77 @@ struct TileScheduler {
     if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
       if (num_groups > 0) load_group(0);
     }
+    if constexpr (kPairs) {
+      num_tiles = ceil_div(ceil_div(shape_m_, BLOCK_M), 2u) * kNumNBlocks;
+      next_tile = blockIdx.x / 2;
+      rank = cluster_cta_rank();
+      own.cur = peer.cur = -1;
+    }
     if constexpr (kKind == kKindContiguous) look_ahead();
   }
 
-  // Contiguous: the first and last row groups of tile next_tile's block.
+  // Pairs: the walk of the block at m0 from its first tile, given the groups of its first and
+  // last rows.
+  __device__ __forceinline__ BlockWalk start_walk(uint32_t m0, int32_t first, int32_t last) const {
+    BlockWalk w;
+    w.m0 = m0;
+    // (a block whose first and last rows belong to one group holds only that group: see next)
+    if (first >= 0 && first == last) {
+      w.cur = w.last = first, w.uniform = true, w.halves = 3;
+      return w;
+    }
+    const BlockGroups bg = block_groups(m0);
+    w.cur = bg.last < 0 ? -1 : bg.first, w.last = bg.last;
+    w.uniform = bg.uniform, w.halves = bg.halves;
+    return w;
+  }
+
+  // Pairs: past the walk's current tile.
+  __device__ __forceinline__ void advance(BlockWalk& w) const {
+    if (w.cur >= 0 && w.cur < w.last) {
+      w.cur = next_group_in_block(w.m0, w.cur);
+      w.uniform = false, w.halves = 3;
+    } else {
+      w.cur = -1;
+    }
+  }
+
+  // Contiguous: the first and last row groups of tile next_tile's block (pairs: of item
+  // next_tile's two blocks, this CTA's and its peer's).
   __device__ __forceinline__ void look_ahead() {
     if (next_tile >= num_tiles) return;
     uint32_t m_block, n_block;
-    tile_coords(next_tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
-    const uint32_t m0 = m_block * BLOCK_M;
-    const uint32_t last = m0 + BLOCK_M < shape_m ? m0 + BLOCK_M - 1 : shape_m - 1;
-    ahead_first = row_group(layout, m0, shape_m, num_groups);
-    ahead_last = row_group(layout, last, shape_m, num_groups);
+    if constexpr (kPairs) {
+      tile_coords(next_tile, ceil_div(ceil_div(shape_m, BLOCK_M), 2u), m_block, n_block);
+      edge_groups((2 * m_block + (rank ^ 1)) * BLOCK_M, peer_ahead_first, peer_ahead_last);
+      m_block = 2 * m_block + rank;
+    } else {
+      tile_coords(next_tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+    }
+    edge_groups(m_block * BLOCK_M, ahead_first, ahead_last);
   }
 
-  // (m_block, n_block) of tile `tile` of a band-rasterised grid of num_m_blocks x kNumNBlocks.
+  // Contiguous: the groups of the first and last rows of the block at m0 (-1: none, past M).
+  __device__ __forceinline__ void edge_groups(uint32_t m0, int32_t& first, int32_t& last) const {
+    const uint32_t last_row = m0 + BLOCK_M < shape_m ? m0 + BLOCK_M - 1 : shape_m - 1;
+    first = row_group(layout, m0, shape_m, num_groups);
+    last = row_group(layout, last_row, shape_m, num_groups);
+  }
+
+  // (m_block, n_block) of tile `tile` of a band-rasterised grid of num_m_blocks x kNumNBlocks
+  // (pairs: (pair, n_block) of num_m_blocks pairs, kBandSize / 2 pairs a band).
   __device__ __forceinline__ static void tile_coords(uint32_t tile, uint32_t num_m_blocks,
                                                      uint32_t& m_block, uint32_t& n_block) {
-    if constexpr (!kBandAlongM) {
+    if constexpr (kPairs) {
+      constexpr uint32_t kPairBand = kBandSize / 2;
+      const uint32_t tiles_per_band = kPairBand * kNumNBlocks;
+      const uint32_t band = tile / tiles_per_band;
+      const uint32_t first_m = band * kPairBand;
+      const uint32_t height = num_m_blocks - first_m < kPairBand ? num_m_blocks - first_m : kPairBand;
+      const uint32_t in_band = tile - band * tiles_per_band;
+      n_block = in_band / height;
+      m_block = first_m + in_band % height;
+    } else if constexpr (!kBandAlongM) {
       const uint32_t tiles_per_band = kBandSize * num_m_blocks;
       const uint32_t band = tile / tiles_per_band;
       const uint32_t first_n = band * kBandSize;
@@ -207,6 +284,31 @@ struct TileScheduler {
       t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
       t.b_once = shape_m <= BLOCK_M, t.halves = 3;
+      return true;
+    } else if constexpr (kPairs) {
+      while (own.cur < 0 && peer.cur < 0) {
+        if (next_tile >= num_tiles) return false;
+        uint32_t pair, n_block;
+        tile_coords(next_tile, ceil_div(ceil_div(shape_m, BLOCK_M), 2u), pair, n_block);
+        next_tile += gridDim.x / 2;
+        const int32_t first = ahead_first, last = ahead_last;
+        const int32_t peer_first = peer_ahead_first, peer_last = peer_ahead_last;
+        look_ahead();
+        item_n = n_block;
+        own = start_walk((2 * pair + rank) * BLOCK_M, first, last);
+        peer = start_walk((2 * pair + (rank ^ 1)) * BLOCK_M, peer_first, peer_last);
+      }
+      t.m0 = t.sa_m = static_cast<int32_t>(own.m0);
+      t.n_block = item_n, t.rows = BLOCK_M, t.b_once = false;
+      if (own.cur >= 0) {
+        t.group = static_cast<uint32_t>(own.cur), t.full = own.uniform, t.halves = own.halves;
+      } else {
+        // an empty tile: the peer's group keeps the B-scale reads in range
+        t.group = static_cast<uint32_t>(peer.cur), t.full = false, t.halves = 0;
+      }
+      t.multicast = own.cur >= 0 && own.cur == peer.cur;
+      advance(own);
+      advance(peer);
       return true;
     } else if constexpr (kKind == kKindContiguous) {
       static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 256, "whole rows per lane in a block scan");
