@@ -633,8 +633,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       } else {
         zero_sums();
         const uint32_t kb1 = kb_end(tile);
+        // NOTE: the next k-block's stage is tested (no wait) before this k-block's last
+        // promotion, so that where it has landed its wgmma issues right after the promotion,
+        // without the barrier's round trip between the two.
+        bool ready = false;
         for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
-          mbar_wait(&full_bar[stage], phase);
+          if (!ready) mbar_wait(&full_bar[stage], phase);
           const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
           for (uint32_t w = 0; w < kNumWaves; ++w) {
@@ -642,10 +646,13 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
             const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
             issue(acc, kb, w);
             wgmma_wait<0>();
-            if (w + 1 == kNumWaves) release(stage);
+            if (w + 1 == kNumWaves) {
+              release(stage);
+              next_stage();
+              ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
+            }
             promote(final_acc[w], acc, sa0, sa1, sb0, sb1);
           }
-          next_stage();
         }
       }
 
