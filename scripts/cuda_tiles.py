@@ -31,11 +31,21 @@ where `import deep_gemm` works) is timed beside them wherever it takes the kind.
 is the weight gradient of the bench's backward suite (both operands in 1x128 groups, accumulated
 into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which writes out); where
 cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant too.
+
+--headers NAME=DIR (comma-separated, repeatable names not allowed) also times every variant
+built from another copy of the kernels' headers, as `VARIANT@NAME`, in the same run: the
+previous kernel against the one being changed, with the same data and peers. DIR is a checkout
+(or `git archive REV fp8gemm/backends/cuda/include | tar -x -C DIR`: carry it to the GPU
+machine) or its include folder; the Python side is this tree's, so the headers must take the
+template arguments it passes.
+
+    python scripts/cuda_tiles.py --shapes 4096x7168x2048 --headers old=.work/old
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -49,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8gemm import calc_diff  # noqa: E402
 from fp8gemm.backends.cuda import FAMILIES  # noqa: E402
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d, sm90_fp8_gemm_small_m  # noqa: E402
 from fp8gemm.backends.family import DeviceFacts  # noqa: E402
 from fp8gemm.bench.impls import (Skip, cublas_block_probe, make_data, make_impl,  # noqa: E402
                                  reference_output)
@@ -76,6 +87,48 @@ def wgrad_problem(m: int, n: int, k: int) -> GemmProblem:
     e4m3 = torch.float8_e4m3fn
     return GemmProblem(GemmKind.DENSE, m, n, k, 1, e4m3, e4m3, Recipe.GROUP, Recipe.GROUP,
                        torch.float32, has_c=True)
+
+
+# The modules whose plans compile kernels, and those that name the include folder (the small-M
+# family compiles from the 1D2D module's).
+_PLAN_MODULES = (sm90_fp8_gemm_1d2d, sm90_fp8_gemm_1d1d, sm90_fp8_gemm_small_m)
+_INCLUDE_MODULES = (sm90_fp8_gemm_1d2d, sm90_fp8_gemm_1d1d)
+
+
+def parse_headers(spec: str) -> dict[str, Path]:
+    """'old=DIR,b=DIR2' -> {'old': DIR/.../include, ...}: each DIR a checkout or an include
+    folder (one that holds fp8gemm/sm90_utils.cuh)."""
+    out: dict[str, Path] = {}
+    for part in filter(None, spec.split(",")):
+        name, eq, path = part.partition("=")
+        if not eq or not name or name in out or "@" in name:
+            raise ValueError(f"--headers takes NAME=DIR parts with distinct names, got {part!r}")
+        root = Path(path).resolve()
+        inc = root / "fp8gemm" / "backends" / "cuda" / "include"
+        inc = inc if inc.is_dir() else root
+        if not (inc / "fp8gemm" / "sm90_utils.cuh").is_file():
+            raise ValueError(f"--headers {name}: no fp8gemm/sm90_utils.cuh under {root}")
+        out[name] = inc
+    return out
+
+
+@contextlib.contextmanager
+def kernel_headers(include: Path, caches: dict):
+    """Plans built inside compile from `include` and live in caches of their own (`caches`,
+    one dict per module), so that they never meet the plans of this tree's headers."""
+    includes = [m.INCLUDE_DIR for m in _INCLUDE_MODULES]
+    plans = [m._plans for m in _PLAN_MODULES]
+    for m in _INCLUDE_MODULES:
+        m.INCLUDE_DIR = include
+    for m in _PLAN_MODULES:
+        m._plans = caches.setdefault(m.__name__, {})
+    try:
+        yield
+    finally:
+        for m, inc in zip(_INCLUDE_MODULES, includes):
+            m.INCLUDE_DIR = inc
+        for m, cache in zip(_PLAN_MODULES, plans):
+            m._plans = cache
 
 
 def parse_variant(spec: str, cfg_type: type) -> dict:
@@ -163,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also every candidate config")
     ap.add_argument("--runs", type=int, default=MIN_DEVICE_RUNS)
     ap.add_argument("--json", default="", help="write every row here")
+    ap.add_argument("--headers", default="",
+                    help="NAME=DIR,...: also every variant built from DIR's kernel headers")
     args = ap.parse_args(argv)
+    try:
+        headers = parse_headers(args.headers)
+    except ValueError as e:
+        ap.error(str(e))
+    header_caches: dict[str, dict] = {name: {} for name in headers}
     fam = {f.name: f for f in FAMILIES}.get(args.family)
     if fam is None:
         ap.error(f"--family must be one of {', '.join(f.name for f in FAMILIES)}")
@@ -212,13 +272,20 @@ def main(argv: list[str] | None = None) -> int:
                 if cfg not in configs.values():
                     configs[f"candidate{i}"] = cfg
         calls = {}
+        # every variant with this tree's headers, then with each of --headers'
+        for h in headers:
+            configs.update({f"{x}@{h}": c for x, c in list(configs.items()) if "@" not in x})
         for name, cfg in configs.items():
             # (wgrad: out += A . B^T, so out starts at zero; otherwise poisoned)
             out = torch.full(data.a.shape[:-1] + (n,), 0.0 if wgrad else float("nan"),
                              dtype=out_dtype, device=dev)
+            h = name.partition("@")[2]
 
-            def fn(cfg=cfg, out=out, d=data):
-                fam.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, out if wgrad else None, index)
+            def fn(cfg=cfg, out=out, d=data, h=h):
+                with (kernel_headers(headers[h], header_caches[h]) if h
+                      else contextlib.nullcontext()):
+                    fam.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, out if wgrad else None,
+                            index)
 
             try:
                 fn()

@@ -78,3 +78,48 @@ def test_parse_variant_names_the_fields():
     assert ct.parse_variant("block_n=128+two_accum=1", g1.Sm90Config1d1d) == {
         "block_n": 128, "two_accum": True}
     assert torch.float32 == ct.wgrad_problem(8, 8, 8).out_dtype
+
+
+def _copy_headers(root):
+    import shutil
+    inc = root / "fp8gemm" / "backends" / "cuda" / "include"
+    shutil.copytree(Path(g2.__file__).parent / "include", inc)
+    return inc
+
+
+def test_headers_option_takes_checkouts_and_include_folders(tmp_path):
+    inc = _copy_headers(tmp_path / "old")
+    assert ct.parse_headers(f"a={tmp_path / 'old'},b={inc}") == {"a": inc, "b": inc}
+    assert ct.parse_headers("") == {}
+    for bad, why in [(f"a={inc},a={inc}", "distinct"), ("a", "NAME=DIR"),
+                     (f"a@b={inc}", "NAME=DIR"), (f"a={tmp_path}", "no fp8gemm/sm90_utils.cuh")]:
+        with pytest.raises(ValueError, match=why):
+            ct.parse_headers(bad)
+
+
+def test_kernel_headers_build_from_the_other_copy_in_caches_of_their_own(tmp_path, monkeypatch):
+    """Inside, every family compiles from the other headers and keeps its plans apart; after,
+    this tree's headers and plan caches are back. A copy whose header fails to compile shows
+    that the copy is what was compiled."""
+    from helpers import compiler_or_skip
+
+    from fp8gemm.jit import CompileError
+    from fp8gemm.problem import GemmKind
+
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    inc = _copy_headers(tmp_path / "old")
+    (inc / "fp8gemm" / "sm90_utils.cuh").write_text("#error the old copy\n")
+    state = lambda: ([m.INCLUDE_DIR for m in ct._INCLUDE_MODULES],  # noqa: E731
+                     [m._plans for m in ct._PLAN_MODULES])
+    before = state()
+    caches: dict = {}
+    cfg = g2.Sm90Config(128, 128, 4, 1, False, g2.BAND_SIZE, 132, False)
+    with ct.kernel_headers(inc, caches):
+        assert all(m.INCLUDE_DIR == inc for m in ct._INCLUDE_MODULES)
+        assert all(m._plans is caches[m.__name__] for m in ct._PLAN_MODULES)
+        with pytest.raises(CompileError, match="the old copy"):
+            g2.compile_kernel(GemmKind.DENSE, 512, 256, cfg)
+    after = state()
+    assert after[0] == before[0] and all(a is b for a, b in zip(after[1], before[1]))
+    g2.compile_kernel(GemmKind.DENSE, 512, 256, cfg)
