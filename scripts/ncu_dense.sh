@@ -11,6 +11,13 @@
 #   OP=wgrad SHAPES=2112x7168x4096 IMPLS="fp8gemm-cuda deepgemm cublas-block" \
 #       bash scripts/ncu_dense.sh
 #   OP=offsets SHAPES=8x4096x7168x2048 IMPLS=fp8gemm-cuda bash scripts/ncu_dense.sh
+#   OP=contiguous SHAPES=s16x2048x4096x7168 SOURCE=1 \
+#       IMPLS="fp8gemm-cuda:block_m=128+block_n=160 deepgemm" bash scripts/ncu_dense.sh
+#
+# `fp8gemm-cuda:VARIANT` profiles a config of the CUDA family that takes the problem, VARIANT in
+# scripts/cuda_tiles.py's syntax (`base` or FIELD=VALUE changes joined by '+'), run through the
+# family's `run`. SOURCE=1 also writes each kernel's per-instruction counters and stall samples
+# (`--page source --print-source sass`, CSV) to $OUT/ncu_<tag>_sass.csv.
 #
 # (deepgemm needs DeepGEMM's checkout on PYTHONPATH: DEEPGEMM_DIR, default .peers/deepgemm.)
 #
@@ -37,30 +44,20 @@ smsp__issue_active.avg.pct_of_peak_sustained_elapsed,\
 smsp__inst_executed.sum,sm__warps_active.avg.per_cycle_active"
 for shape in $SHAPES; do
     for impl in $IMPLS; do
-        tag="${OP}_${shape}_${impl}"
+        tag="$(echo "${OP}_${shape}_${impl}" | tr -c 'A-Za-z0-9._\n-' '_')"
         timeout 240 ncu --clock-control none --nvtx --nvtx-include "profiled/" --launch-count 4 \
             --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
             --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
             --section SourceCounters --print-details all --metrics "$METRICS" \
-            python3 - "$shape" "$impl" "$OP" >"$OUT/ncu_$tag.txt" 2>&1 <<'PY'
-import sys, torch
-from fp8gemm.bench.suites import Case, skewed_sizes
-from fp8gemm.bench.impls import make_data, make_impl
-skewed = sys.argv[1].startswith("s")
-dims = [int(v) for v in sys.argv[1].lstrip("s").split("x")]
-g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
-sizes = skewed_sizes(g * m, g) if skewed else ()
-data = make_data(Case("ncu", sys.argv[3], m, n, k, groups=g, sizes=sizes), torch.device("cuda"))
-impl = make_impl(sys.argv[2], data)
-torch.cuda.synchronize()
-impl.fn()
-torch.cuda.synchronize()
-torch.cuda.nvtx.range_push("profiled")
-impl.fn()
-torch.cuda.nvtx.range_pop()
-torch.cuda.synchronize()
-PY
-        echo "== $tag (rc $?)"
+            python3 scripts/ncu_call.py "$shape" "$impl" "$OP" >"$OUT/ncu_$tag.txt" 2>&1
+        rc=$?
+        if [[ "${SOURCE:-0}" == "1" ]]; then
+            timeout 240 ncu --clock-control none --nvtx --nvtx-include "profiled/" --launch-count 4 \
+                --section SourceCounters --section WarpStateStats --page source --csv \
+                --print-source sass python3 scripts/ncu_call.py "$shape" "$impl" "$OP" \
+                >"$OUT/ncu_${tag}_sass.csv" 2>&1
+        fi
+        echo "== $tag (rc $rc)"
         pattern="^  [a-zA-Z_]+ \(|Duration|SM Frequency|gmma|lts__t_bytes|hit_rate|dram__bytes"
         pattern+="|issue_active|inst_executed|Compute \(SM\) Throughput|Memory Throughput"
         pattern+="|Warp Cycles Per Issued|Stall|stall"

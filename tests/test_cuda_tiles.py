@@ -123,3 +123,25 @@ def test_kernel_headers_build_from_the_other_copy_in_caches_of_their_own(tmp_pat
     after = state()
     assert after[0] == before[0] and all(a is b for a, b in zip(after[1], before[1]))
     g2.compile_kernel(GemmKind.DENSE, 512, 256, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,shape,spec", [("dense", (1, 256, 576, 640), "block_n=64"),
+                                           ("contiguous", (3, 200, 576, 640), "block_n=160"),
+                                           ("wgrad", (1, 256, 576, 1000), "block_n=128")])
+def test_ncu_call_runs_the_variant(op, shape, spec, gpu_device):
+    """scripts/ncu_call.py's `fp8gemm-cuda:VARIANT`: the family's config with the change, right."""
+    from fp8gemm import calc_diff
+    from fp8gemm.bench.impls import make_data, reference_output
+    from fp8gemm.bench.suites import Case
+
+    spec_path = Path(ct.__file__).parent / "ncu_call.py"
+    nspec = importlib.util.spec_from_file_location("ncu_call", spec_path)
+    nc = importlib.util.module_from_spec(nspec)
+    nspec.loader.exec_module(nc)
+    g, m, n, k = shape
+    data = make_data(Case("ncu", op, m, n, k, groups=g), gpu_device)
+    fn, out = nc.variant_call(spec, op, data, g, m, n, k)
+    fn()
+    torch.cuda.synchronize()
+    assert calc_diff(data.data_rows(out), reference_output(data)) < 1e-5
