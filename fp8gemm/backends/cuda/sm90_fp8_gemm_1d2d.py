@@ -157,7 +157,7 @@ class Sm90Config:
     block_m: int
     block_n: int
     num_stages: int
-    num_multicast: int  # CTAs per cluster sharing one TMA load (1 or 2; dense only)
+    num_multicast: int  # CTAs per cluster sharing one TMA load (1 or 2; dense, contiguous B)
     multicast_on_a: bool  # which operand the cluster shares (meaningful when num_multicast == 2)
     band_size: int
     grid: int  # persistent CTAs

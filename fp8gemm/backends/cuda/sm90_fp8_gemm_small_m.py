@@ -39,12 +39,9 @@ BLOCK_N = 64
 # NOTE: tokens are wgmma's N; each math thread holds the accumulator and the FP32 sums, BLOCK_M / 2
 # floats each, and BLOCK_M / 4 token scales: at 160 tokens ptxas still fits every variant in the
 # math warpgroups' 232 registers without spills (tests/test_cuda_small_m.py compiles them); at 192
-# it spills. Above 128, M = 129..160 runs as one token tile with B read once: on the H200 (one run,
-# each against cuBLAS block-wise of its run) 129 and 160 x 7168x16384 took 46.1 and 47.0 us
-# against the dense family's 55.9 and 55.3 (its 128x128 tiles read B twice), 144 and
-# 160 x 7168x2048 12.9 and 13.2 against 13.6 and 13.7, and 129/160 x 4096x7168 (136/160 tokens,
-# two splits) 18.3 and 19.1 against 21.1 and 21.5 for two 72/80-token tiles; at 129x2112x7168
-# the model's 136 x 3 splits ran 15.3 against 14.9 for 72 x 2.
+# it spills. Above 128, M = 129..160 runs as one token tile with B read once, where two tiles
+# would not fit one wave at N = 7168 and the dense family's tiles read B twice (H200 figures:
+# docs/cuda.md, "Its heuristic").
 MAX_BLOCK_M = 160
 # Above two token tiles of 128 the dense family's 128- and 256-row tiles read B fewer times.
 MAX_M = 256
