@@ -59,7 +59,8 @@ sys.path.insert(0, str(ROOT))
 
 from fp8gemm import calc_diff  # noqa: E402
 from fp8gemm.backends.cuda import FAMILIES  # noqa: E402
-from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d, sm90_fp8_gemm_small_m  # noqa: E402
+from fp8gemm.backends.cuda import (sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d,  # noqa: E402
+                                   sm90_fp8_gemm_small_m)
 from fp8gemm.backends.family import DeviceFacts  # noqa: E402
 from fp8gemm.bench.impls import (Skip, cublas_block_probe, make_data, make_impl,  # noqa: E402
                                  reference_output)

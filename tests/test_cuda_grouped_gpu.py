@@ -129,7 +129,8 @@ def contiguous_config_case(layout: str, sizes, n: int, k: int, device, **fields)
     facts = DeviceFacts.of(device)
     cfg = replace(sm90.GROUPED.select_config(problem, facts), **fields)
     cluster = cfg.num_multicast
-    grid = fields.get("grid", min(facts.num_sms, ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)))
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    grid = fields.get("grid", min(facts.num_sms, tiles))
     cfg = replace(cfg, num_stages=sm90.max_stages(cfg.block_m, cfg.block_n, k,
                                                   facts.smem_per_block, GemmKind.CONTIGUOUS),
                   grid=max(cluster, grid - grid % cluster))
@@ -344,6 +345,19 @@ _BAD_VALUES_SCRIPT = textwrap.dedent("""
     idx = torch.randint(-50, 50, (300,), dtype=torch.int32, device=dev)
     out = torch.zeros(300, n, dtype=torch.bfloat16, device=dev)
     fp8gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, idx, backend="cuda")
+    # the same through 2-CTA pairs sharing B (a config the heuristic does not pick)
+    from dataclasses import replace
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
+    from fp8gemm.backends.family import DeviceFacts
+    from fp8gemm.problem import GemmKind, GemmProblem, Recipe
+    p = GemmProblem(GemmKind.CONTIGUOUS, 300, n, k, g, e4m3, e4m3, Recipe.GROUP, Recipe.BLOCK,
+                    torch.bfloat16)
+    facts = DeviceFacts.of(torch.device(dev))
+    stages = sm90.max_stages(128, 128, k, facts.smem_per_block, GemmKind.CONTIGUOUS)
+    cfg = replace(sm90.GROUPED.select_config(p, facts), block_m=128, block_n=128, grid=4,
+                  num_stages=stages, two_accum=False, num_multicast=2, multicast_on_a=False)
+    sm90.GROUPED.run(cfg, p, a, fp8gemm.get_col_major_tma_aligned_tensor(sa), b, sb, out, None,
+                     idx)
     offsets = torch.tensor([0, 900, 5, -7], dtype=torch.int32, device=dev)
     fp8gemm.m_grouped_fp8_gemm_nt_offsets((a, sa), (b, sb), out, offsets, backend="cuda")
     a3 = torch.randn(g, 64, k, device=dev).to(e4m3)
@@ -358,7 +372,7 @@ _BAD_VALUES_SCRIPT = textwrap.dedent("""
 
 def test_bad_index_values_stay_in_bounds(gpu_device, tmp_path):
     """Unchecked bad values (group ids out of range, offsets past the end, masked_m > Mmax) never
-    read or write out of bounds: run under compute-sanitizer's memcheck where it is installed,
+    read or write out of bounds, contiguous also in 2-CTA pairs sharing B: run under compute-sanitizer's memcheck where it is installed,
     else plainly (a fault would still fail the run)."""
     script = tmp_path / "bad_values.py"
     script.write_text(_BAD_VALUES_SCRIPT)
