@@ -183,14 +183,7 @@ struct TileScheduler {
   __device__ __forceinline__ static void tile_coords(uint32_t tile, uint32_t num_m_blocks,
                                                      uint32_t& m_block, uint32_t& n_block) {
     if constexpr (kPairs) {
-      constexpr uint32_t kPairBand = kBandSize / 2;
-      const uint32_t tiles_per_band = kPairBand * kNumNBlocks;
-      const uint32_t band = tile / tiles_per_band;
-      const uint32_t first_m = band * kPairBand;
-      const uint32_t height = num_m_blocks - first_m < kPairBand ? num_m_blocks - first_m : kPairBand;
-      const uint32_t in_band = tile - band * tiles_per_band;
-      n_block = in_band / height;
-      m_block = first_m + in_band % height;
+      coords_along_m<kBandSize / 2>(tile, num_m_blocks, m_block, n_block);
     } else if constexpr (!kBandAlongM) {
       const uint32_t tiles_per_band = kBandSize * num_m_blocks;
       const uint32_t band = tile / tiles_per_band;
@@ -200,14 +193,21 @@ struct TileScheduler {
       m_block = in_band / width;
       n_block = first_n + in_band % width;
     } else {
-      const uint32_t tiles_per_band = kBandSize * kNumNBlocks;
-      const uint32_t band = tile / tiles_per_band;
-      const uint32_t first_m = band * kBandSize;
-      const uint32_t height = num_m_blocks - first_m < kBandSize ? num_m_blocks - first_m : kBandSize;
-      const uint32_t in_band = tile - band * tiles_per_band;
-      n_block = in_band / height;
-      m_block = first_m + in_band % height;
+      coords_along_m<kBandSize>(tile, num_m_blocks, m_block, n_block);
     }
+  }
+
+  // Bands of kBand m-blocks, m fastest inside a band.
+  template <uint32_t kBand>
+  __device__ __forceinline__ static void coords_along_m(uint32_t tile, uint32_t num_m_blocks,
+                                                        uint32_t& m_block, uint32_t& n_block) {
+    const uint32_t tiles_per_band = kBand * kNumNBlocks;
+    const uint32_t band = tile / tiles_per_band;
+    const uint32_t first_m = band * kBand;
+    const uint32_t height = num_m_blocks - first_m < kBand ? num_m_blocks - first_m : kBand;
+    const uint32_t in_band = tile - band * tiles_per_band;
+    n_block = in_band / height;
+    m_block = first_m + in_band % height;
   }
 
   // Offsets, masked: rows of group g, clamped so that bad values never address outside A or D.
