@@ -309,7 +309,7 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
     if not cands:
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     # NOTE: no clusters. Contiguous 128-row tiles in pairs sharing B (num_multicast=2, the
-    # kernel's kPairs) ran 0.81-0.84x single-CTA 128x128 tiles with two accumulators on the
+    # kernel's kPairs) ran 0.81-0.86x single-CTA 128x128 tiles with two accumulators on the
     # H200, and 128x160 pairs 0.85-0.91x (docs/cuda.md, "The grouped kinds").
     return _config(min(cands, key=_rank), k, facts)
 
