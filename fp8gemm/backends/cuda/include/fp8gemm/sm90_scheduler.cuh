@@ -182,32 +182,27 @@ struct TileScheduler {
   // (pairs: (pair, n_block) of num_m_blocks pairs, kBandSize / 2 pairs a band).
   __device__ __forceinline__ static void tile_coords(uint32_t tile, uint32_t num_m_blocks,
                                                      uint32_t& m_block, uint32_t& n_block) {
-    if constexpr (kPairs) {
-      coords_along_m<kBandSize / 2>(tile, num_m_blocks, m_block, n_block);
-    } else if constexpr (!kBandAlongM) {
-      const uint32_t tiles_per_band = kBandSize * num_m_blocks;
-      const uint32_t band = tile / tiles_per_band;
-      const uint32_t first_n = band * kBandSize;
-      const uint32_t width = kNumNBlocks - first_n < kBandSize ? kNumNBlocks - first_n : kBandSize;
-      const uint32_t in_band = tile - band * tiles_per_band;
-      m_block = in_band / width;
-      n_block = first_n + in_band % width;
-    } else {
-      coords_along_m<kBandSize>(tile, num_m_blocks, m_block, n_block);
-    }
+    if constexpr (kPairs)
+      band_coords<kBandSize / 2>(tile, num_m_blocks, kNumNBlocks, m_block, n_block);
+    else if constexpr (kBandAlongM)
+      band_coords<kBandSize>(tile, num_m_blocks, kNumNBlocks, m_block, n_block);
+    else
+      band_coords<kBandSize>(tile, kNumNBlocks, num_m_blocks, n_block, m_block);
   }
 
-  // Bands of kBand m-blocks, m fastest inside a band.
+  // Bands of kBand blocks along the banded side (of num_banded blocks), that side fastest inside
+  // a band, the other side's num_other blocks each band's rows.
   template <uint32_t kBand>
-  __device__ __forceinline__ static void coords_along_m(uint32_t tile, uint32_t num_m_blocks,
-                                                        uint32_t& m_block, uint32_t& n_block) {
-    const uint32_t tiles_per_band = kBand * kNumNBlocks;
+  __device__ __forceinline__ static void band_coords(uint32_t tile, uint32_t num_banded,
+                                                     uint32_t num_other, uint32_t& banded,
+                                                     uint32_t& other) {
+    const uint32_t tiles_per_band = kBand * num_other;
     const uint32_t band = tile / tiles_per_band;
-    const uint32_t first_m = band * kBand;
-    const uint32_t height = num_m_blocks - first_m < kBand ? num_m_blocks - first_m : kBand;
+    const uint32_t first = band * kBand;
+    const uint32_t extent = num_banded - first < kBand ? num_banded - first : kBand;
     const uint32_t in_band = tile - band * tiles_per_band;
-    n_block = in_band / height;
-    m_block = first_m + in_band % height;
+    other = in_band / extent;
+    banded = first + in_band % extent;
   }
 
   // Offsets, masked: rows of group g, clamped so that bad values never address outside A or D.
