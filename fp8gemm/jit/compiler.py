@@ -41,7 +41,10 @@ class CompiledCubin:
 
 # NOTE: options every compile passes besides the caller's flags; `Compiler.cache_ident` puts them
 # in the cache key, so editing them here invalidates old entries instead of reusing them.
-NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+# NOTE: -default-device: NVRTC takes a generic lambda's call operator (a template without an
+# execution space) for a host function, also inside a kernel; nvcc derives it from the enclosing
+# function. With the flag NVRTC does the same.
+NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v", "-default-device")
 NVCC_OPTIONS = ("-cubin", "-std=c++17", "-Xptxas=-v")
 # nvcc adds these environment variables' flags to every command line: they shape the binary.
 NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")

@@ -31,10 +31,10 @@ INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 # NOTE: one k-block is one scale block: partial sums are promoted (and scaled) every 128 of K.
 BLOCK_K = SCALE_BLOCK
 # NOTE: wgmma N goes up to 256, but each math thread holds two BLOCK_N/2 float accumulators
-# (wgmma's and the promoted FP32 one) in 232 registers: 160 is the widest that fits with room for
-# addresses. Above 128 only widths that never straddle three 128-wide B scale blocks
-# (BLOCK_N <= 128 + largest power of two dividing it): 136, 144, 160.
-BLOCK_N_CHOICES = tuple(range(16, 129, 8)) + (136, 144, 160)
+# (wgmma's and the promoted FP32 one) in 232 registers. Above 128 only widths that never straddle
+# three 128-wide B scale blocks (BLOCK_N <= 128 + largest power of two dividing it): 136, 144,
+# 160, 192 (224 and 256 would); 192 compiles without spills up to K = MAX_K.
+BLOCK_N_CHOICES = tuple(range(16, 129, 8)) + (136, 144, 160, 192)
 BLOCK_M_CHOICES = (64, 128, 256)
 # BLOCK_M = 256 keeps two FP32 sums per thread besides the wgmma accumulator: BLOCK_N <= 136 fits
 # without spills (144 spills). Narrower tiles gain nothing from the second wave: on the M = 4096
@@ -66,7 +66,10 @@ BAND_SIZE = 16
 #   BLOCK_M <= 128, 1.02 at 256 (256x136 ran 0.87x 256x128's per-FLOP rate; 136/160 alone says
 #   0.85). Two wgmma accumulators in flight (use_two_accum), with the epilogue under the next
 #   tile's first wgmma: on 128x128, 256x128 still ran 2-5 % faster at equal waves on the M = 4096
-#   shapes, so the two accumulators' tile costs / 1.02 at K >= 1024.
+#   shapes, so the two accumulators' tile costs / 1.02 at K >= 1024. A tile that straddles two
+#   B-scale blocks at a split with at most 4 values (160, 192 wide; split_per_tile) runs its
+#   k-loop with the split a constant: against the selects, 128x160 ran 1.07x faster, 128x192
+#   1.03-1.04x (H200, same run, M = 4096 dense and 8-32 expert contiguous): SPLIT_PER_TILE_GAIN.
 # - Loads: LOAD_WEIGHT * (BM + BN) bytes of A and B per unit of K; LOAD_WEIGHT is the FLOPs an SM
 #   does while pulling one byte from L2 (1480 TFLOPS / 132 SMs over ~90 GB/s per SM).
 LOAD_WEIGHT = 128
@@ -76,6 +79,7 @@ TWO_ACCUM_EFFICIENCY = 1.02
 TWO_ACCUM_MIN_K = 1024
 TWO_ACCUM_MAX_K = 49152
 WIDE_TILE_EFFICIENCY = {64: 0.96, 128: 0.96, 256: 1.02}
+SPLIT_PER_TILE_GAIN = 1.03
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
@@ -100,10 +104,19 @@ def use_two_accum(block_m: int, block_n: int, k: int) -> bool:
     return block_m <= 128 and block_n <= 128 and k <= TWO_ACCUM_MAX_K
 
 
+def split_per_tile(block_n: int) -> bool:
+    """Whether the kernel's one-accumulator k-loop takes a tile's B-scale split (n0 % 128, a
+    multiple of the largest power of two dividing BLOCK_N) as a constant, one instance per value:
+    tiles that can straddle two scale blocks at at most 4 splits (the kernel's kSplitStep >= 32)."""
+    return 128 % block_n != 0 and min(block_n & -block_n, 128) >= 32
+
+
 def mma_efficiency(block_m: int, block_n: int) -> float:
     eff = block_n / align(block_n, 32)
     if block_n > 128:
         eff *= WIDE_TILE_EFFICIENCY[block_m]
+        if split_per_tile(block_n):
+            eff *= SPLIT_PER_TILE_GAIN
     if block_m == 64:
         eff *= ONE_WARPGROUP_EFFICIENCY
     elif block_m == 256:

@@ -30,44 +30,45 @@ __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
 
 // Promotion of one wgmma accumulator (rows r and r + 8) into the FP32 sums, fin += acc * sa * sb:
 // the 8-column groups [0, num_first) take the first 128-wide B-scale block's sb0, the rest sb1.
-// num_first = (128 - n0 % 128) / 8, clipped to BLOCK_N / 8.
-// NOTE: with num_first a run-time value, ptxas selects and multiplies out each group's scale
-// (about 100 instructions a k-block at BLOCK_N = 160) and places them between the k-block's
-// first and second wgmma, where they wait for the scale loads. n0 is a multiple of BLOCK_N, so
-// n0 % 128 is a multiple of kStep = pow2_factor_128(BLOCK_N): where that leaves at most 4
-// values, a binary search over them ([kLo, kHi]) runs the instance whose split is a constant,
-// 4 products. On the H200, same run, that made 128x160 tiles 1-6 % faster and 128x192 9-11 %
-// (dense and grouped, M 1024 to 32768); 16 instances (256x136) ran 5 % slower than the selects,
-// 8 (128x144) 1 %. kConstSplit
-// false keeps the selects: with two accumulators the instances of each unrolled k-block made
-// ptxas spill (2-3 KB at 96 wide).
-template <uint32_t BLOCK_N, bool kConstSplit, uint32_t kLo = 0,
-          uint32_t kHi = 128 - pow2_factor_128(BLOCK_N), uint32_t kNumAccum>
+// num_first = (128 - n0 % 128) / 8, clipped to BLOCK_N / 8. kSplit < 128: n0 % 128 == kSplit, a
+// compile-time constant (4 products and no selects); kSplit == kAnySplit: num_first decides at
+// run time, each group selecting its scale.
+constexpr uint32_t kAnySplit = 128;
+template <uint32_t BLOCK_N, uint32_t kSplit, uint32_t kNumAccum>
 __device__ __forceinline__ void promote_sums(uint32_t num_first, float* fin,
                                              float (&acc)[kNumAccum], float sa0, float sa1,
                                              float sb0, float sb1) {
-  constexpr uint32_t kStep = pow2_factor_128(BLOCK_N);
-  constexpr bool kSelect = kStep < 32 || !kConstSplit;
-  if constexpr (kSelect || kLo == kHi) {
-    // (kLo == kHi: the split is known; kSelect: it is not, and kFirst is unused)
-    constexpr uint32_t kFirst = (128 - kLo) / 8 < BLOCK_N / 8 ? (128 - kLo) / 8 : BLOCK_N / 8;
-    const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
+  constexpr uint32_t kFirst = (128 - kSplit) / 8 < BLOCK_N / 8 ? (128 - kSplit) / 8 : BLOCK_N / 8;
+  const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
 #pragma unroll
-    for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-      const bool first = kSelect ? g < num_first : g < kFirst;
-      const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
-      fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
-      fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
-      fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
-      fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
-    }
+  for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
+    const bool first = kSplit == kAnySplit ? g < num_first : g < kFirst;
+    const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
+    fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
+    fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
+    fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
+    fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
+  }
+}
+
+template <uint32_t V>
+struct Split {
+  static constexpr uint32_t value = V;
+};
+
+// f(Split<n0 % 128>{}) for a tile at column n0: n0 is a multiple of BLOCK_N, so n0 % 128 is a
+// multiple of kStep = pow2_factor_128(BLOCK_N) in [kLo, kHi]; a binary search over those values
+// calls the instance of f whose split is a constant.
+template <uint32_t kStep, uint32_t kLo, uint32_t kHi, typename F>
+__device__ __forceinline__ void with_split(uint32_t n0_mod_128, F&& f) {
+  if constexpr (kLo == kHi) {
+    f(Split<kLo>{});
   } else {
-    // kMid: the lowest n0 % 128 of the upper half; n0 % 128 >= kMid <=> num_first <= (128 - kMid) / 8
     constexpr uint32_t kMid = kLo + ((kHi - kLo) / kStep + 1) / 2 * kStep;
-    if (num_first <= (128 - kMid) / 8)
-      promote_sums<BLOCK_N, kConstSplit, kMid, kHi>(num_first, fin, acc, sa0, sa1, sb0, sb1);
+    if (n0_mod_128 >= kMid)
+      with_split<kStep, kMid, kHi>(n0_mod_128, f);
     else
-      promote_sums<BLOCK_N, kConstSplit, kLo, kMid - kStep>(num_first, fin, acc, sa0, sa1, sb0, sb1);
+      with_split<kStep, kLo, kMid - kStep>(n0_mod_128, f);
   }
 }
 
@@ -557,7 +558,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                          float sb1) {
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-        promote_sums<BLOCK_N, !kTwoAccum>(num_first, fin, acc_, sa0, sa1, sb0, sb1);
+        promote_sums<BLOCK_N, kAnySplit>(num_first, fin, acc_, sa0, sa1, sb0, sb1);
       };
       auto next_stage = [&]() {
         if (++stage == kNumStages) stage = 0, phase ^= 1;
@@ -636,24 +637,44 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // NOTE: the next k-block's stage is tested (no wait) before this k-block's last
         // promotion, so that where it has landed its wgmma issues right after the promotion,
         // without the barrier's round trip between the two.
-        bool ready = false;
-        for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
-          if (!ready) mbar_wait(&full_bar[stage], phase);
-          const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
+        auto kloop = [&](auto split) {
+          bool ready = false;
+          for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
+            if (!ready) mbar_wait(&full_bar[stage], phase);
+            const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
-          for (uint32_t w = 0; w < kNumWaves; ++w) {
-            const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
-            const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
-            issue(acc, kb, w);
-            wgmma_wait<0>();
-            if (w + 1 == kNumWaves) {
-              release(stage);
-              next_stage();
-              ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
+            for (uint32_t w = 0; w < kNumWaves; ++w) {
+              const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
+              const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
+              issue(acc, kb, w);
+              wgmma_wait<0>();
+              if (w + 1 == kNumWaves) {
+                release(stage);
+                next_stage();
+                ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
+              }
+#pragma unroll
+              for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+              promote_sums<BLOCK_N, decltype(split)::value>(num_first, final_acc[w], acc, sa0, sa1,
+                                                            sb0, sb1);
             }
-            promote(final_acc[w], acc, sa0, sa1, sb0, sb1);
           }
-        }
+        };
+        // NOTE: with the split a run-time value, ptxas selects and multiplies out each 8-column
+        // group's scale (about 100 instructions a k-block at BLOCK_N = 160) and places them
+        // between the k-block's first and second wgmma, where they wait for the scale loads.
+        // Where n0 % 128 takes at most 4 values (kSplitStep >= 32), the tile's whole k-loop is
+        // instantiated per value, 4 products a k-block: on the H200, same run, 128x160 tiles
+        // ran 1.07x faster than with the selects, 128x192 1.03-1.04x, 128x96 1.11x (M = 4096,
+        // dense and contiguous). 8 or more instances (kSplitStep 16 or 8) keep the selects
+        // (16 instances of the per-k-block variant ran 5 % slower than them at 256x136).
+        constexpr uint32_t kSplitStep = pow2_factor_128(BLOCK_N);
+        if constexpr (128 % BLOCK_N == 0)
+          kloop(Split<0>{});  // a tile never straddles two scale blocks
+        else if constexpr (kSplitStep >= 32)
+          with_split<kSplitStep, 0, 128 - kSplitStep>(n0 % 128, kloop);
+        else
+          kloop(Split<kAnySplit>{});
       }
 
       if constexpr (!kTwoAccum) epilogue(tile);
