@@ -425,6 +425,11 @@ FORCED_CONFIGS = [
     (1024, 2048, 1536, 256, 112, 2, False, False),   # BLOCK_M 256 with multicast of B
     (768, 1536, 1024, 256, 64, 2, True, False),     # BLOCK_M 256 with multicast of A, 64 wide
     (130, 576, 16384, 256, 96, 1, False, False),    # BLOCK_M 256, long K
+    # One accumulator, the tile's B-scale split a constant per n0 % 128 (96, 160, 192 wide).
+    (1000, 2112, 7168, 128, 192, 1, False, False),  # 192 wide: splits 0 and 64, M tail
+    (300, 1000, 1040, 128, 192, 2, True, False),    # with multicast of A, N and K tails
+    (520, 1056, 2048, 128, 96, 1, False, False),    # 96 wide: all four splits
+    (300, 1088, 7168, 64, 192, 1, False, False),    # one math warpgroup, 192 wide
     # Two accumulators: the k-blocks run in unrolled chunks of 8 plus a tail chunk.
     (4096, 2112, 7168, 128, 128, 1, False, True),   # 56 k-blocks: 7 chunks, no tail
     (300, 576, 320, 128, 128, 1, False, True),      # 3 k-blocks (tail only), K and M tails

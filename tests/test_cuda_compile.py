@@ -421,6 +421,24 @@ def test_forced_configs_compile_clean(m, n, k, bm, bn, multicast, on_a, two_accu
     assert_clean_cubin(compiled, cfg, tool, tmp_path, str(cfg))
 
 
+@pytest.mark.parametrize("bn", [64, 96, 136, 144, 160, 192])
+def test_split_per_tile_matches_the_kernel(bn, tmp_path, monkeypatch):
+    """The cost model's SPLIT_PER_TILE_GAIN goes to the tiles whose one-accumulator k-loop the
+    kernel instantiates once per B-scale split (n0 % 128): 4 k-steps of QGMMA per instance."""
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    stages = g.max_stages(128, bn, 2048, H200.smem_per_block)
+    cfg = g.Sm90Config(128, bn, stages, 1, False, g.BAND_SIZE, 132, False)
+    _, compiled, _, _ = g.compile_kernel(GemmKind.DENSE, 4096, 2048, cfg)
+    path = tmp_path / "k.cubin"
+    path.write_bytes(compiled.cubin)
+    sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+    instances = 128 // (bn & -bn) if g.split_per_tile(bn) else 1
+    assert len(re.findall(rf"QGMMA\.64x{bn}x32", sass)) == 4 * instances, cfg
+    assert g.split_per_tile(bn) == (bn in (96, 160, 192))
+
+
 # Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_k_configs` runs,
 # and their float32 partial-sum stores in the SASS.
 @pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)

@@ -253,13 +253,14 @@ def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
         check_masked(out, a, sa, b, sb, masked_m)
 
 
-@pytest.mark.parametrize("two_accum", [True, False], ids=["two-accum", "one-accum"])
+@pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x96", "128x192"])
 @pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
-def test_idle_half_warpgroup(kind, two_accum, gpu_device):
+def test_idle_half_warpgroup(kind, tile, gpu_device):
     """128-row tiles whose second math warpgroup has no rows of the tile (a group's last block
     with at most 64 rows, masked_m % 128 in 1..64) run that warpgroup's k-loop without wgmma;
     blocks with 65..127 rows and whole ones compute on both. The config is built directly, with
-    one and with two accumulators."""
+    one and with two accumulators, and one-accumulator tiles whose B-scale split is a per-tile
+    constant (96 wide: the four splits of N = 576; 192: splits 0 and 64)."""
     from dataclasses import replace
 
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
@@ -291,10 +292,11 @@ def test_idle_half_warpgroup(kind, two_accum, gpu_device):
     problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
                           Recipe.BLOCK, torch.bfloat16, expected_m=128 if kind == "masked" else 0)
     facts = DeviceFacts.of(gpu_device)
-    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=128, block_n=128,
-                  num_stages=sm90.max_stages(128, 128, k, facts.smem_per_block, problem.kind),
+    bn, two_accum = (128, True) if tile == "128x128-two-accum" else (int(tile[4:]), False)
+    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=128, block_n=bn,
+                  num_stages=sm90.max_stages(128, bn, k, facts.smem_per_block, problem.kind),
                   two_accum=two_accum, num_multicast=1, splits=1,
-                  grid=min(facts.num_sms, 2 * g * ceil_div(n, 128)))
+                  grid=min(facts.num_sms, 2 * g * ceil_div(n, bn)))
     out = torch.full(out_shape, NAN, dtype=torch.bfloat16, device=gpu_device)
     sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, layout)
     torch.cuda.synchronize()
