@@ -28,17 +28,19 @@ __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
   return (n & (~n + 1)) < 128 ? (n & (~n + 1)) : 128;
 }
 
-// Promotion of one wgmma accumulator (rows r and r + 8) into the FP32 sums, fin += acc * sa * sb:
-// the 8-column groups [0, num_first) take the first 128-wide B-scale block's sb0, the rest sb1.
-// num_first = (128 - n0 % 128) / 8, clipped to BLOCK_N / 8. kSplit < 128: n0 % 128 == kSplit, a
-// compile-time constant (4 products and no selects); kSplit == kAnySplit: num_first decides at
-// run time, each group selecting its scale.
+// Promotion of one waited-for wgmma accumulator (rows r and r + 8) into the FP32 sums,
+// fin += acc * sa * sb: the 8-column groups [0, num_first) take the first 128-wide B-scale
+// block's sb0, the rest sb1. num_first = (128 - n0 % 128) / 8, clipped to BLOCK_N / 8.
+// kSplit < 128: n0 % 128 == kSplit, a compile-time constant (4 products and no selects);
+// kSplit == kAnySplit: num_first decides at run time, each group selecting its scale.
 constexpr uint32_t kAnySplit = 128;
 template <uint32_t BLOCK_N, uint32_t kSplit, uint32_t kNumAccum>
 __device__ __forceinline__ void promote_sums(uint32_t num_first, float* fin,
                                              float (&acc)[kNumAccum], float sa0, float sa1,
                                              float sb0, float sb1) {
   constexpr uint32_t kFirst = (128 - kSplit) / 8 < BLOCK_N / 8 ? (128 - kSplit) / 8 : BLOCK_N / 8;
+#pragma unroll
+  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
   const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
 #pragma unroll
   for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
@@ -551,15 +553,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           if (lane < kNumTMAMulticast) mbar_arrive_cluster(&empty_bar[stage_], lane);
         }
       };
-      // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
-      // K the partial sum moves to FP32 registers, scaled by sa * sb (rows r and r + 8).
-      // NOTE: the scales are read before the wgmma is waited for, off the critical path.
-      auto promote = [&](float* fin, float (&acc_)[kNumAccum], float sa0, float sa1, float sb0,
-                         float sb1) {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-        promote_sums<BLOCK_N, kAnySplit>(num_first, fin, acc_, sa0, sa1, sb0, sb1);
-      };
+      // NOTE: promotion (promote_sums): the tensor cores keep ~14 bits of the FP8 product sum,
+      // so every 128 of K the partial sum moves to FP32 registers, scaled by sa * sb (rows r and
+      // r + 8). The scales are read before the wgmma is waited for, off the critical path.
       auto next_stage = [&]() {
         if (++stage == kNumStages) stage = 0, phase ^= 1;
       };
@@ -616,7 +612,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               wgmma_wait<0>();
             }
             release(held[j % 2]);
-            promote(final_acc[0], cur, sa0[j % 2], sa1[j % 2], sb0[j % 2], sb1[j % 2]);
+            promote_sums<BLOCK_N, kAnySplit>(num_first, final_acc[0], cur, sa0[j % 2], sa1[j % 2],
+                                             sb0[j % 2], sb1[j % 2]);
           }
         };
         // NOTE: the tile's first wgmma goes to the tensor cores before the previous tile's
@@ -653,8 +650,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                 next_stage();
                 ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
               }
-#pragma unroll
-              for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
               promote_sums<BLOCK_N, decltype(split)::value>(num_first, final_acc[w], acc, sa0, sa1,
                                                             sb0, sb1);
             }
