@@ -835,13 +835,23 @@ def test_problems_asked_of_the_backends():
     k-grouped wgrad the k-grouped kind over every expert's tokens, dgrad the forward GEMM."""
     from fp8gemm.problem import GemmKind, Recipe
 
-    cpu = torch.device("cpu")
-    w = impls._problem(impls.make_data(Case("t", "wgrad", 256, 384, 1000), cpu))
+    w = impls.case_problem(Case("t", "wgrad", 256, 384, 1000))
     assert (w.kind, w.m, w.n, w.k, w.b_recipe, w.out_dtype, w.has_c) == (
         GemmKind.DENSE, 256, 384, 1000, Recipe.GROUP, torch.float32, True)
-    kg = impls._problem(impls.make_data(Case("t", "k_grouped_wgrad", 64, 128, 256, 3,
-                                             (0, 512, 256)), cpu))
+    kg = impls.case_problem(Case("t", "k_grouped_wgrad", 64, 128, 256, 3, (0, 512, 256)))
     assert (kg.kind, kg.m, kg.n, kg.k, kg.groups) == (GemmKind.K_GROUPED, 64, 128, 768, 3)
-    d = impls._problem(impls.make_data(Case("t", "dgrad", 1000, 384, 512), cpu))
+    d = impls.case_problem(Case("t", "dgrad", 1000, 384, 512))
     assert (d.kind, d.m, d.n, d.k, d.b_recipe, d.out_dtype) == (
         GemmKind.DENSE, 1000, 384, 512, Recipe.BLOCK, torch.bfloat16)
+
+
+def test_case_problem_rows_are_the_data_rows():
+    """The grouped problem's M is the rows make_data lays A out in: contiguous groups padded to
+    128 rows, offsets back to back, masked the [G, mmax] capacity."""
+    cpu = torch.device("cpu")
+    sizes = (5, 300, 0, 131)
+    for op in ("contiguous", "offsets", "masked"):
+        case = Case("t", op, sum(sizes) // 4, 256, 384, 4, sizes)
+        data = impls.make_data(case, cpu)
+        rows = data.a.shape[1] if op == "masked" else data.a.shape[0]
+        assert impls.case_problem(case).m == rows, op

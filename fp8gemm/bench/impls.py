@@ -47,7 +47,7 @@ from .suites import DENSE_LIKE_OPS, MOE_LAYER, OPS, Case
 __all__ = ["Skip", "Impl", "CaseData", "make_data", "make_impl", "reference_output",
            "FP8GEMM_IMPLS", "PEER_IMPLS", "ALL_IMPLS", "DEFAULT_IMPLS", "REFERENCE_MAX_FLOPS",
            "applies", "cublas_block_probe", "BLOCK_WAYS", "WGRAD_BLOCK_WAYS", "WRONG_DIFF",
-           "DEEPGEMM_BUSY_US", "GRAPH_MAX_TOKENS"]
+           "DEEPGEMM_BUSY_US", "GRAPH_MAX_TOKENS", "case_problem"]
 
 FP8GEMM_IMPLS = ("fp8gemm-cuda", "fp8gemm-triton", "fp8gemm-reference")
 PEER_IMPLS = ("cublas-block", "cublas-tensor", "cublas-rowwise-grouped", "cublas-block-loop",
@@ -402,8 +402,11 @@ def _bf16_operands(data: CaseData) -> tuple[torch.Tensor, torch.Tensor]:
 # fp8gemm's own backends.
 
 
-def _problem(data: CaseData) -> GemmProblem:
-    c = data.case
+def case_problem(c: Case) -> GemmProblem:
+    """The GemmProblem fp8gemm's backends get for a case as make_data lays it out (a contiguous
+    case's rows padded per group to CONTIGUOUS_M_ALIGNMENT; masked: [G, mmax, K])."""
+    if c.op == "moe_layer":
+        raise ValueError("a moe_layer case runs a pipeline of GEMMs, not one problem")
     if c.op in ("wgrad", "k_grouped_wgrad"):
         kind, k, groups = ((GemmKind.K_GROUPED, sum(c.group_sizes), c.groups)
                            if c.op == "k_grouped_wgrad" else (GemmKind.DENSE, c.k, 1))
@@ -411,7 +414,10 @@ def _problem(data: CaseData) -> GemmProblem:
                            torch.float32, has_c=True)
     kind = {"dense": GemmKind.DENSE, "dgrad": GemmKind.DENSE, "contiguous": GemmKind.CONTIGUOUS,
             "offsets": GemmKind.OFFSETS, "masked": GemmKind.MASKED}[c.op]
-    rows = c.mmax if c.op == "masked" else data.a.shape[0]
+    if c.op == "contiguous":
+        rows = sum(_round_up(size, CONTIGUOUS_M_ALIGNMENT) for size in c.group_sizes)
+    else:
+        rows = c.mmax if c.op == "masked" else c.total_m
     return GemmProblem(kind, rows, c.n, c.k, c.groups, _E4M3, _E4M3, Recipe.GROUP, Recipe.BLOCK,
                        torch.bfloat16, expected_m=c.m if c.op == "masked" else 0)
 
@@ -431,7 +437,7 @@ def _fp8gemm(impl: str, data: CaseData) -> Impl:
         raise Skip(f"not available on {_device_name(device)}")
     if c.op == "moe_layer":
         return _fp8gemm_moe_layer(impl, name, data)
-    why = mod.supports(_problem(data))
+    why = mod.supports(case_problem(data.case))
     if why is not None:
         raise Skip(f"does not support the problem: {why}")
     if c.op == "k_grouped_wgrad":
