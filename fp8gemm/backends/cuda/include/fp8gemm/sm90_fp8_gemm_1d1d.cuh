@@ -109,8 +109,46 @@ struct alignas(8) Float2 {
   float x, y;
 };
 
+// Promotion of 8-column groups [kG0, kG0 + kNumG) of a tile from the waited-for wgmma accumulator
+// `acc` that holds them (rows r and r + 8): fin += acc * sa[row] * sb[col].
+// NOTE: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of K the partial sum
+// moves to the FP32 sums, scaled by sa[row] * sb[col].
+template <uint32_t kG0, uint32_t kNumG, uint32_t kNumAccum, uint32_t kNumSums, uint32_t kNumColGroups>
+__device__ __forceinline__ void promote_groups(float (&fin)[kNumSums], float (&acc)[kNumAccum],
+                                               float sa0, float sa1,
+                                               const Float2 (&sb)[kNumColGroups]) {
+  static_assert(4 * kNumG == kNumAccum && 4 * (kG0 + kNumG) <= kNumSums, "groups of the accumulator");
+#pragma unroll
+  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+#pragma unroll
+  for (uint32_t g = 0; g < kNumG; ++g) {
+    const Float2 b = sb[kG0 + g];
+    fin[4 * (kG0 + g) + 0] = fmaf(acc[4 * g + 0], sa0 * b.x, fin[4 * (kG0 + g) + 0]);
+    fin[4 * (kG0 + g) + 1] = fmaf(acc[4 * g + 1], sa0 * b.y, fin[4 * (kG0 + g) + 1]);
+    fin[4 * (kG0 + g) + 2] = fmaf(acc[4 * g + 2], sa1 * b.x, fin[4 * (kG0 + g) + 2]);
+    fin[4 * (kG0 + g) + 3] = fmaf(acc[4 * g + 3], sa1 * b.y, fin[4 * (kG0 + g) + 3]);
+  }
+}
+
+// The four k-steps of one k-block for an N-wide slice of the tile into `acc`, one commit group;
+// each k-step of 32 bytes moves the descriptors' start address by 32 >> 4 = 2, the first starts
+// a fresh partial sum (one scale block per k-block).
+template <uint32_t N, bool kAE5M2, uint32_t kNumAccum>
+__device__ __forceinline__ void wgmma_k_block(float (&acc)[kNumAccum], uint64_t desc_a,
+                                              uint64_t desc_b) {
+#pragma unroll
+  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+  wgmma_fence();
+#pragma unroll
+  for (uint32_t k = 0; k < 128 / 32; ++k)
+    WgmmaFp8<N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
+  wgmma_commit();
+#pragma unroll
+  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+}
+
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2, uint32_t kSplitN>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
@@ -127,7 +165,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   constexpr uint32_t WAVE_M = Layout::WAVE_M, kNumWaves = Layout::kNumWaves;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
-  constexpr uint32_t kNumKSteps = BLOCK_K / 32;
   constexpr uint32_t kNumColGroups = BLOCK_N / 8;  // 8-column groups of the wgmma fragment
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold the wgmma accumulator, the FP32 sums (BLOCK_N/2 floats each) and the
@@ -139,6 +176,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
                 "one or two math warpgroups of 64 rows each, in one or two waves");
   static_assert(!kTwoAccum || kNumWaves == 1, "two accumulators take one wave of rows");
+  static_assert(kSplitN == 0 || (kSplitN % 8 == 0 && kSplitN < BLOCK_N && kNumWaves == 1 &&
+                                 !kTwoAccum),
+                "a k-block's wgmma in two slices: 8-column steps, one accumulator, one wave");
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   static_assert(kNumStages >= 2, "at least double buffering");
@@ -238,6 +278,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
+    // kSplitN: the two slices' accumulators in place of acc (unused where kSplitN == 0)
+    float acc_lo[kSplitN > 0 ? kSplitN / 2 : 1], acc_hi[kSplitN > 0 ? (BLOCK_N - kSplitN) / 2 : 1];
     const bool in_place = c == out;
 
     while (scheduler.next(tile)) {
@@ -252,40 +294,19 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) final_acc[w][i] = 0.0f;
 
-      // The wgmma of one k-block for wave w into `acc_`, on stage `stage_`; each k-step of 32
-      // bytes moves the descriptors' start address by 32 >> 4 = 2, the first starts a fresh
-      // partial sum (one scale block per k-block).
+      // The wgmma of one k-block for wave w into `acc_`, on stage `stage_`.
       auto issue = [&](float (&acc_)[kNumAccum], uint32_t stage_, uint32_t w) {
-        const uint64_t desc_a = desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16);
-        const uint64_t desc_b = desc_b0 + stage_ * (Layout::SMEM_B / 16);
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-        wgmma_fence();
-#pragma unroll
-        for (uint32_t k = 0; k < kNumKSteps; ++k)
-          WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
-        wgmma_commit();
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
+        wgmma_k_block<BLOCK_N, kAE5M2>(
+            acc_, desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16),
+            desc_b0 + stage_ * (Layout::SMEM_B / 16));
       };
       // A stage's B scales of this thread's column pair of 8-column group g.
       auto stage_sb = [&](uint32_t stage_, uint32_t g) {
         return *reinterpret_cast<const Float2*>(sb_cols + stage_ * Layout::kSbStage + g * 8);
       };
-      // NOTE: promotion: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of
-      // K the partial sum moves to the FP32 sums, scaled by sa[row] * sb[col].
       auto promote = [&](float (&fin)[kNumAccum], float (&acc_)[kNumAccum], float sa0, float sa1,
                          const Float2 (&sb_)[kNumColGroups]) {
-#pragma unroll
-        for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-#pragma unroll
-        for (uint32_t g = 0; g < kNumColGroups; ++g) {
-          const Float2 sb = sb_[g];
-          fin[4 * g + 0] = fmaf(acc_[4 * g + 0], sa0 * sb.x, fin[4 * g + 0]);
-          fin[4 * g + 1] = fmaf(acc_[4 * g + 1], sa0 * sb.y, fin[4 * g + 1]);
-          fin[4 * g + 2] = fmaf(acc_[4 * g + 2], sa1 * sb.x, fin[4 * g + 2]);
-          fin[4 * g + 3] = fmaf(acc_[4 * g + 3], sa1 * sb.y, fin[4 * g + 3]);
-        }
+        promote_groups<0, kNumColGroups>(fin, acc_, sa0, sa1, sb_);
       };
       // The stage is free once this warp's wgmma and scale reads are done.
       auto release = [&](uint32_t stage_) {
@@ -351,10 +372,53 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 #pragma unroll
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
           }
-          issue(acc, s, w);
-          wgmma_wait<0>();
-          if (w + 1 == kNumWaves) release(s);
-          promote(final_acc[w], acc, sa0, sa1, sb);
+          if constexpr (kSplitN > 0) {
+            // NOTE: the k-block's wgmma in two commit groups, columns [0, kSplitN) into acc_lo
+            // and the rest into acc_hi: the first slice is promoted while the tensor cores
+            // still work on the second, so only the second's FFMAs wait with them idle (with
+            // one group both math warpgroups promote the whole tile after its wgmma, and the
+            // promotion's FMUL + FFMA per element did not overlap the tensor cores).
+            constexpr uint32_t kG1 = kSplitN / 8, kG2 = (BLOCK_N - kSplitN) / 8;
+            const uint64_t desc_a = desc_a0 + s * (Layout::SMEM_A / 16);
+            const uint64_t desc_b = desc_b0 + s * (Layout::SMEM_B / 16);
+            wgmma_k_block<kSplitN, kAE5M2>(acc_lo, desc_a, desc_b);
+            // (rows kSplitN.. of B's 128-byte-swizzled tile: whole 1024-byte atoms further)
+            wgmma_k_block<BLOCK_N - kSplitN, kAE5M2>(acc_hi, desc_a, desc_b + kSplitN * BLOCK_K / 16);
+            wgmma_wait<1>();
+            promote_groups<0, kG1>(final_acc[0], acc_lo, sa0, sa1, sb);
+            // The second slice's scale products, before its wait.
+            float p_hi[4 * kG2];
+#pragma unroll
+            for (uint32_t g = 0; g < kG2; ++g) {
+              const Float2 b = sb[kG1 + g];
+              p_hi[4 * g + 0] = sa0 * b.x, p_hi[4 * g + 1] = sa0 * b.y;
+              p_hi[4 * g + 2] = sa1 * b.x, p_hi[4 * g + 3] = sa1 * b.y;
+            }
+#pragma unroll
+            for (uint32_t i = 0; i < 4 * kG2; ++i) fence_operand(p_hi[i]);
+            // NOTE: ptxas moves independent FFMAs and FMULs below a wgmma wait freely: it sank
+            // most of the first slice's FFMAs and the products below the second wait, where they
+            // wait for the second slice's wgmma too. A branch it cannot resolve ends the basic
+            // block, so both run before the wait (the fences keep the products in that block);
+            // both sides wait, so the condition (never false here) does not matter.
+            if (shape_k != 0) {
+              wgmma_wait<0>();
+            } else {
+              wgmma_wait<0>();
+              __syncwarp();
+            }
+            release(s);
+#pragma unroll
+            for (uint32_t i = 0; i < 4 * kG2; ++i) fence_operand(acc_hi[i]);
+#pragma unroll
+            for (uint32_t i = 0; i < 4 * kG2; ++i)
+              final_acc[0][4 * kG1 + i] = fmaf(acc_hi[i], p_hi[i], final_acc[0][4 * kG1 + i]);
+          } else {
+            issue(acc, s, w);
+            wgmma_wait<0>();
+            if (w + 1 == kNumWaves) release(s);
+            promote(final_acc[w], acc, sa0, sa1, sb);
+          }
         }
       }
 
