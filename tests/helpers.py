@@ -419,7 +419,7 @@ SPLIT_K_CONFIGS = [
 SPLIT_N_CONFIGS = [
     (1000, 2112, 7168, 256, 128, 64),   # two waves, M tail inside the second
     (300, 1000, 1040, 128, 160, 96),    # N and K tails (a K tail of 16: one k-step)
-    (520, 2112, 2048, 128, 192, 96),    # straddling splits 0 and 64
+    (520, 2112, 2112, 128, 192, 96),    # straddling splits 0 and 64, the last k-block shifted
     (130, 576, 16384, 128, 128, 32),    # unequal slices, long K
     (100, 1088, 640, 64, 160, 64),      # one math warpgroup
 ]
