@@ -396,17 +396,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             }
 #pragma unroll
             for (uint32_t i = 0; i < 4 * kG2; ++i) fence_operand(p_hi[i]);
-            // NOTE: ptxas moves independent FFMAs and FMULs below a wgmma wait freely: it sank
-            // most of the first slice's FFMAs and the products below the second wait, where they
-            // wait for the second slice's wgmma too. A branch it cannot resolve ends the basic
-            // block, so both run before the wait (the fences keep the products in that block);
-            // both sides wait, so the condition (never false here) does not matter.
-            if (shape_k != 0) {
-              wgmma_wait<0>();
-            } else {
-              wgmma_wait<0>();
-              __syncwarp();
-            }
+            // (the fences keep the products in the block before the wait)
+            wgmma_wait_all_in_order(shape_k);
             release(s);
 #pragma unroll
             for (uint32_t i = 0; i < 4 * kG2; ++i) fence_operand(acc_hi[i]);

@@ -690,38 +690,26 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               constexpr uint32_t kSplit = decltype(split)::value;
               if constexpr (kSplitN > 0) {
                 // NOTE: the first slice is promoted while the tensor cores run the second, so
-                // that only the second slice's FFMAs wait with them idle. ptxas moves
-                // independent FFMAs below a wgmma wait freely (it sank the first slice's there);
-                // a branch it cannot resolve ends the basic block before the last wait (both
-                // sides wait, and shape_m is never 0 here).
-                constexpr uint32_t kG1 = kSplitN / 8, kG2 = (BLOCK_N - kSplitN) / 8;
+                // that only the second slice's FFMAs wait with them idle.
                 issue_slices(kb, w);
                 wgmma_wait<1>();
-                promote_sums<BLOCK_N, kSplit, 0, kG1>(num_first, final_acc[w], acc_lo, sa0, sa1,
-                                                      sb0, sb1);
-                if (shape_m != 0) {
-                  wgmma_wait<0>();
-                } else {
-                  wgmma_wait<0>();
-                  __syncwarp();
-                }
-                if (w + 1 == kNumWaves) {
-                  release(stage);
-                  next_stage();
-                  ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
-                }
-                promote_sums<BLOCK_N, kSplit, kG1, kG2>(num_first, final_acc[w], acc_hi, sa0, sa1,
-                                                        sb0, sb1);
+                promote_sums<BLOCK_N, kSplit, 0, kSplitN / 8>(num_first, final_acc[w], acc_lo, sa0,
+                                                              sa1, sb0, sb1);
+                wgmma_wait_all_in_order(shape_m);
               } else {
                 issue(acc, kb, w);
                 wgmma_wait<0>();
-                if (w + 1 == kNumWaves) {
-                  release(stage);
-                  next_stage();
-                  ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
-                }
-                promote_sums<BLOCK_N, kSplit>(num_first, final_acc[w], acc, sa0, sa1, sb0, sb1);
               }
+              if (w + 1 == kNumWaves) {
+                release(stage);
+                next_stage();
+                ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
+              }
+              if constexpr (kSplitN > 0)
+                promote_sums<BLOCK_N, kSplit, kSplitN / 8, (BLOCK_N - kSplitN) / 8>(
+                    num_first, final_acc[w], acc_hi, sa0, sa1, sb0, sb1);
+              else
+                promote_sums<BLOCK_N, kSplit>(num_first, final_acc[w], acc, sa0, sa1, sb0, sb1);
             }
           }
         };
