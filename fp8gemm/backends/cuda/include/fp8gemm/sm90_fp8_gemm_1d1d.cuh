@@ -130,23 +130,6 @@ __device__ __forceinline__ void promote_groups(float (&fin)[kNumSums], float (&a
   }
 }
 
-// The four k-steps of one k-block for an N-wide slice of the tile into `acc`, one commit group;
-// each k-step of 32 bytes moves the descriptors' start address by 32 >> 4 = 2, the first starts
-// a fresh partial sum (one scale block per k-block).
-template <uint32_t N, bool kAE5M2, uint32_t kNumAccum>
-__device__ __forceinline__ void wgmma_k_block(float (&acc)[kNumAccum], uint64_t desc_a,
-                                              uint64_t desc_b) {
-#pragma unroll
-  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-  wgmma_fence();
-#pragma unroll
-  for (uint32_t k = 0; k < 128 / 32; ++k)
-    WgmmaFp8<N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > 0);
-  wgmma_commit();
-#pragma unroll
-  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-}
-
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2, uint32_t kSplitN>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
@@ -165,6 +148,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   constexpr uint32_t WAVE_M = Layout::WAVE_M, kNumWaves = Layout::kNumWaves;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
+  constexpr uint32_t kNumKSteps = BLOCK_K / 32;
   constexpr uint32_t kNumColGroups = BLOCK_N / 8;  // 8-column groups of the wgmma fragment
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold the wgmma accumulator, the FP32 sums (BLOCK_N/2 floats each) and the
@@ -296,7 +280,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 
       // The wgmma of one k-block for wave w into `acc_`, on stage `stage_`.
       auto issue = [&](float (&acc_)[kNumAccum], uint32_t stage_, uint32_t w) {
-        wgmma_k_block<BLOCK_N, kAE5M2>(
+        wgmma_k_steps<WgmmaFp8<BLOCK_N, kAE5M2>, 0, kNumKSteps>(
             acc_, desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16),
             desc_b0 + stage_ * (Layout::SMEM_B / 16));
       };
@@ -381,9 +365,10 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             constexpr uint32_t kG1 = kSplitN / 8, kG2 = (BLOCK_N - kSplitN) / 8;
             const uint64_t desc_a = desc_a0 + s * (Layout::SMEM_A / 16);
             const uint64_t desc_b = desc_b0 + s * (Layout::SMEM_B / 16);
-            wgmma_k_block<kSplitN, kAE5M2>(acc_lo, desc_a, desc_b);
+            wgmma_k_steps<WgmmaFp8<kSplitN, kAE5M2>, 0, kNumKSteps>(acc_lo, desc_a, desc_b);
             // (rows kSplitN.. of B's 128-byte-swizzled tile: whole 1024-byte atoms further)
-            wgmma_k_block<BLOCK_N - kSplitN, kAE5M2>(acc_hi, desc_a, desc_b + kSplitN * BLOCK_K / 16);
+            wgmma_k_steps<WgmmaFp8<BLOCK_N - kSplitN, kAE5M2>, 0, kNumKSteps>(
+                acc_hi, desc_a, desc_b + kSplitN * BLOCK_K / 16);
             wgmma_wait<1>();
             promote_groups<0, kG1>(final_acc[0], acc_lo, sa0, sa1, sb);
             // The second slice's scale products, before its wait.

@@ -57,23 +57,6 @@ __device__ __forceinline__ void promote_sums(uint32_t num_first, float* fin,
   }
 }
 
-// The wgmma k-steps of one k-block for an N-wide slice into acc, one commit group; each k-step of
-// 32 bytes moves the descriptors' start address by 32 >> 4 = 2. kFirstStep, kNumSteps: the
-// k-steps that see data (a partial last k-block skips the ones that only see zero fill).
-template <uint32_t N, bool kAE5M2, uint32_t kFirstStep, uint32_t kNumSteps, uint32_t kNumAccum>
-__device__ __forceinline__ void wgmma_k_steps(float (&acc)[kNumAccum], uint64_t desc_a,
-                                              uint64_t desc_b) {
-#pragma unroll
-  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-  wgmma_fence();
-#pragma unroll
-  for (uint32_t k = kFirstStep; k < kFirstStep + kNumSteps; ++k)
-    WgmmaFp8<N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > kFirstStep);
-  wgmma_commit();
-#pragma unroll
-  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
-}
-
 template <uint32_t V>
 struct Split {
   static constexpr uint32_t value = V;
@@ -579,12 +562,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
           const uint64_t desc_b2 = desc_b + kSplitN * BLOCK_K / 16;
           if (kb + 1 < kNumKBlocks || kLastKSteps == kNumKSteps) {
-            wgmma_k_steps<kSplitN, kAE5M2, 0, kNumKSteps>(acc_lo, desc_a, desc_b);
-            wgmma_k_steps<N2, kAE5M2, 0, kNumKSteps>(acc_hi, desc_a, desc_b2);
+            wgmma_k_steps<WgmmaFp8<kSplitN, kAE5M2>, 0, kNumKSteps>(acc_lo, desc_a, desc_b);
+            wgmma_k_steps<WgmmaFp8<N2, kAE5M2>, 0, kNumKSteps>(acc_hi, desc_a, desc_b2);
           } else {
             constexpr uint32_t k_first = kShiftLastKBlock ? kNumKSteps - kLastKSteps : 0;
-            wgmma_k_steps<kSplitN, kAE5M2, k_first, kLastKSteps>(acc_lo, desc_a, desc_b);
-            wgmma_k_steps<N2, kAE5M2, k_first, kLastKSteps>(acc_hi, desc_a, desc_b2);
+            wgmma_k_steps<WgmmaFp8<kSplitN, kAE5M2>, k_first, kLastKSteps>(acc_lo, desc_a, desc_b);
+            wgmma_k_steps<WgmmaFp8<N2, kAE5M2>, k_first, kLastKSteps>(acc_hi, desc_a, desc_b2);
           }
         }
       };

@@ -283,6 +283,23 @@ __device__ __forceinline__ void fence_operand(float& reg) {
   asm volatile("" : "+f"(reg)::"memory");
 }
 
+// The wgmma k-steps [kFirstStep, kFirstStep + kNumSteps) of one 128-deep k-block into acc
+// through Mma (a WgmmaFp8 instance), one commit group, the first step starting a fresh sum; each
+// k-step of 32 bytes moves the K-major descriptors' start address by 32 >> 4 = 2.
+template <typename Mma, uint32_t kFirstStep, uint32_t kNumSteps, uint32_t kNumAccum>
+__device__ __forceinline__ void wgmma_k_steps(float (&acc)[kNumAccum], uint64_t desc_a,
+                                              uint64_t desc_b) {
+#pragma unroll
+  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+  wgmma_fence();
+#pragma unroll
+  for (uint32_t k = kFirstStep; k < kFirstStep + kNumSteps; ++k)
+    Mma::mma(desc_a + 2 * k, desc_b + 2 * k, acc, k > kFirstStep);
+  wgmma_commit();
+#pragma unroll
+  for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
+}
+
 // Shared-memory matrix descriptor for a K-major tile stored as 128-byte rows with the 128-byte
 // swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a 128-byte inner box).
 // NOTE: bits 0-13 start address >> 4, 16-29 leading byte offset >> 4 (unused for swizzled K-major),
