@@ -478,15 +478,7 @@ def test_split_n_tiles(bm, bn, split, gpu_device):
     assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, f"in place {cfg}")
     if (bm, bn) != (128, 160):
         return
-    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
-    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
-    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
-    out = c.clone()
-    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
-    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
-    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
-                      f"k-grouped {m}x{n} ks={ks} {cfg}")
+    _check_k_grouped_in_place(cfg, gpu_device)
 
 
 @pytest.mark.gpu
@@ -663,6 +655,20 @@ def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
         assert all(torch.equal(out[i], c[i]) for i, k in enumerate(ks) if k == 0)
 
 
+def _check_k_grouped_in_place(cfg, device):
+    """The k-grouped kernel of `cfg` accumulating in place, groups of K moved to k-blocks, one of
+    nothing, against float64."""
+    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
+    a, sa, b, sb = _k_operands(m, n, ks, device)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=device)
+    c = torch.randn(len(ks), m, n, device=device) * 64
+    out = c.clone()
+    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
+    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
+    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
+                      f"k-grouped {m}x{n} ks={ks} {cfg}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("c_mode", ["none", "separate", "alias"])
 def test_tall_tiles(c_mode, gpu_device):
@@ -684,15 +690,7 @@ def test_tall_tiles(c_mode, gpu_device):
         assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} c={c_mode} {cfg}")
     if c_mode != "alias":
         return
-    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
-    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
-    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
-    out = c.clone()
-    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
-    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
-    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
-                      f"k-grouped {m}x{n} ks={ks} {cfg}")
+    _check_k_grouped_in_place(cfg, gpu_device)
 
 
 @pytest.mark.gpu
