@@ -59,9 +59,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,me
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "triton", triton.__version__, "gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability())' 2>&1
 
-PART2_TESTS="tests/test_cuda_quant.py tests/test_quant.py tests/test_triton_gpu.py tests/test_validation.py tests/test_minilm.py"
+PART2_TESTS="tests/test_cuda_quant.py tests/test_quant.py tests/test_triton_gpu.py"
+PART2_TESTS+=" tests/test_validation.py tests/test_minilm.py"
 case "${TEST_PART:-}" in
-    1) TEST_PATHS="tests/"; for f in $PART2_TESTS; do TEST_ARGS="${TEST_ARGS:-} --ignore=$f"; done ;;
+    1) TEST_PATHS="tests/"
+       for f in $PART2_TESTS; do TEST_ARGS="${TEST_ARGS:-} --ignore=$f"; done ;;
     2) TEST_PATHS="$PART2_TESTS" ;;
     "") ;;
     *) echo "TEST_PART must be 1 or 2, got $TEST_PART" >&2; exit 2 ;;

@@ -448,7 +448,8 @@ SPLIT_N_COMPILED = ([(GemmKind.DENSE, n, k, bm, bn, sn) for _, n, k, bm, bn, sn 
 
 
 @pytest.mark.parametrize("kind,n,k,bm,bn,split_n", SPLIT_N_COMPILED, ids=str)
-def test_split_n_configs_compile_clean(kind, n, k, bm, bn, split_n, tmp_path, monkeypatch):
+def test_split_n_configs_compile_clean(kind, n, k, bm, bn, split_n, tmp_path,
+                                      monkeypatch):
     """Both slices' QGMMA; every wait that leaves the second slice in flight is followed by the
     whole first slice's promotion (split_n / 2 FFMA per thread) before the branch to the last
     wait; no spills, no local memory, no serialised wgmma."""
@@ -478,7 +479,7 @@ def test_split_n_configs_compile_clean(kind, n, k, bm, bn, split_n, tmp_path, mo
         assert sum(o.startswith("FFMA") for o in ops[i:end]) == split_n // 2, (cfg, ops[i:end])
 
 
-# Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_k_configs` runs,
+# Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_configs` runs,
 # and their float32 partial-sum stores in the SASS.
 @pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)
 def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkeypatch):

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("suite_configs", ROOT / "scripts" / "suite_configs.py")
+    path = ROOT / "scripts" / "suite_configs.py"
+    spec = importlib.util.spec_from_file_location("suite_configs", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["suite_configs"] = mod
     spec.loader.exec_module(mod)

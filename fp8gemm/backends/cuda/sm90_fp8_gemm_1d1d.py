@@ -79,7 +79,8 @@ PICK_TWO_ACCUM = False
 # promotion only the second slice's FFMAs wait with the tensor cores idle: in the SASS at 128x160
 # (split 96) 32 FFMA follow the last wait of a k-block, against 70 FMUL + 80 FFMA with one group.
 # Built and compiled clean (no spills, 64..192 wide); the heuristic does not pick it until it has
-# been timed against one group on the H200 (`cuda_tiles.py --kind wgrad --variants base,split_n=96`).
+# been timed against one group on the H200
+# (`cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad --variants base,split_n=96`).
 # NOTE: a k-block costs the math warps a fixed part besides its wgmma (the full barrier's wait,
 # the scale loads, the promotion waiting for the last wgmma), which a wider tile spreads over more
 # columns. On the H200 a wave of 128-row tiles took a + b * ceil(BLOCK_N / 32) for widths 128-176

@@ -113,11 +113,13 @@ struct alignas(8) Float2 {
 // `acc` that holds them (rows r and r + 8): fin += acc * sa[row] * sb[col].
 // NOTE: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of K the partial sum
 // moves to the FP32 sums, scaled by sa[row] * sb[col].
-template <uint32_t kG0, uint32_t kNumG, uint32_t kNumAccum, uint32_t kNumSums, uint32_t kNumColGroups>
+template <uint32_t kG0, uint32_t kNumG, uint32_t kNumAccum, uint32_t kNumSums,
+          uint32_t kNumColGroups>
 __device__ __forceinline__ void promote_groups(float (&fin)[kNumSums], float (&acc)[kNumAccum],
                                                float sa0, float sa1,
                                                const Float2 (&sb)[kNumColGroups]) {
-  static_assert(4 * kNumG == kNumAccum && 4 * (kG0 + kNumG) <= kNumSums, "groups of the accumulator");
+  static_assert(4 * kNumG == kNumAccum && 4 * (kG0 + kNumG) <= kNumSums,
+                "groups of the accumulator");
 #pragma unroll
   for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
 #pragma unroll
