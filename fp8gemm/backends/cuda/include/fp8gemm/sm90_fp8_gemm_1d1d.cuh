@@ -290,10 +290,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       auto stage_sb = [&](uint32_t stage_, uint32_t g) {
         return *reinterpret_cast<const Float2*>(sb_cols + stage_ * Layout::kSbStage + g * 8);
       };
-      auto promote = [&](float (&fin)[kNumAccum], float (&acc_)[kNumAccum], float sa0, float sa1,
-                         const Float2 (&sb_)[kNumColGroups]) {
-        promote_groups<0, kNumColGroups>(fin, acc_, sa0, sa1, sb_);
-      };
       // The stage is free once this warp's wgmma and scale reads are done.
       auto release = [&](uint32_t stage_) {
         if (lane == 0) mbar_arrive(&empty_bar[stage_]);
@@ -334,8 +330,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             Float2 sb[kNumColGroups];
 #pragma unroll
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
-            promote(final_acc[0], cur, sa_rows[s * Layout::kSaStage],
-                    sa_rows[s * Layout::kSaStage + 8], sb);
+            promote_groups<0, kNumColGroups>(final_acc[0], cur, sa_rows[s * Layout::kSaStage],
+                                             sa_rows[s * Layout::kSaStage + 8], sb);
             release(s);
           }
         }
@@ -395,7 +391,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             issue(acc, s, w);
             wgmma_wait<0>();
             if (w + 1 == kNumWaves) release(s);
-            promote(final_acc[w], acc, sa0, sa1, sb);
+            promote_groups<0, kNumColGroups>(final_acc[w], acc, sa0, sa1, sb);
           }
         }
       }
