@@ -252,7 +252,7 @@ def make_data(case: Case, device: torch.device, seed: int = 0) -> CaseData:
     data.x_rows, data.a_rows, data.sa_rows = x, a, sa
     if c.op == "contiguous":
         align = CONTIGUOUS_M_ALIGNMENT
-        padded = [_ceil_div(s, align) * align for s in sizes]
+        padded = [_round_up(s, align) for s in sizes]
         starts = [sum(padded[:i]) for i in range(len(padded))]
         rows = torch.cat([torch.arange(p, p + s, dtype=torch.int64)
                           for p, s in zip(starts, sizes)]).to(device)

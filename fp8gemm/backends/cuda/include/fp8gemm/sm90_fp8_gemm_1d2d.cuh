@@ -554,7 +554,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       };
       // kSplitN: the wgmma of k-block kb for wave w as two commit groups, columns [0, kSplitN)
       // into acc_lo and the rest into acc_hi (the second slice's B rows whole 1024-byte swizzle
-      // atoms further).
+      // atoms further). (`issue` keeps its own loops: written through wgmma_k_steps, the kernels
+      // with a partial last k-block compiled to other SASS.)
       auto issue_slices = [&](uint32_t kb, uint32_t w) {
         if constexpr (kSplitN > 0) {
           constexpr uint32_t N2 = BLOCK_N - kSplitN;
