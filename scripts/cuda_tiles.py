@@ -13,7 +13,7 @@ A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE cha
 heuristic's value, except those that follow from a changed field, unless they are given too: a
 changed block_m or block_n re-derives num_stages (the most that fit the device's shared memory,
 up to the most the family's candidates use; even for the small-M family) and two_accum (off,
-also for a changed splits or split_n); a
+also for a changed splits); a
 changed block_m, block_n, num_multicast or splits (the 1D2D family's split-K) re-derives grid
 (a CTA per tile, or per tile and split, up to the SM count, a
 multiple of the cluster; small-M: a changed block_m or num_splits, one CTA per tile and split).
@@ -180,10 +180,9 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
     module docstring). Returns None when no stage count fits shared memory."""
     cfg = dataclasses.replace(base, **changes)
     tile_changed = any(f in changes for f in TILE_FIELDS)
-    if (tile_changed or "splits" in changes or "split_n" in changes) \
-            and "two_accum" not in changes and hasattr(cfg, "two_accum"):
-        # (split-K and the two-slice k-block run one accumulator)
-        cfg = dataclasses.replace(cfg, two_accum=False)
+    if (tile_changed or "splits" in changes) and "two_accum" not in changes \
+            and hasattr(cfg, "two_accum"):
+        cfg = dataclasses.replace(cfg, two_accum=False)  # (split-K runs one accumulator)
     split = hasattr(cfg, "num_splits")  # the small-M family: one CTA per (tile, split), even rings
     if "grid" not in changes and (split and ("num_splits" in changes or tile_changed)
                                   or any(f in changes for f in GRID_FIELDS)):

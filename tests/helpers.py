@@ -414,16 +414,6 @@ SPLIT_K_CONFIGS = [
     (130, 576, 16384, 64, 160, 8),     # BLOCK_M 64, 160 wide, 8 parts
 ]
 
-# (M, N, K, BLOCK_M, BLOCK_N, split_n): the 1D2D kernel's k-block wgmma in two commit groups
-# (one accumulator; not picked by the heuristic yet), with M, N and K tails.
-SPLIT_N_CONFIGS = [
-    (1000, 2112, 7168, 256, 128, 64),   # two waves, M tail inside the second
-    (300, 1000, 1040, 128, 160, 96),    # N and K tails (a K tail of 16: one k-step)
-    (520, 2112, 2112, 128, 192, 96),    # straddling splits 0 and 64, the last k-block shifted
-    (130, 576, 16384, 128, 128, 32),    # unequal slices, long K
-    (100, 1088, 640, 64, 160, 64),      # one math warpgroup
-]
-
 FORCED_CONFIGS = [
     (512, 2048, 1024, 128, 128, 2, False, False),   # multicast of B: pairs share n_block
     (512, 2048, 1024, 128, 128, 2, True, False),    # multicast of A: pairs share m_block

@@ -273,55 +273,6 @@ def test_every_picked_kernel_compiles_clean(tmp_path, monkeypatch):
         _assert_clean(compiled, cfg, tool, tmp_path, f"{shape} {cfg}")
 
 
-# (BLOCK_M, BLOCK_N, split_n): each k-block's wgmma in two commit groups, not picked yet.
-SPLIT_TILES = [(128, 160, 96), (128, 176, 96), (128, 128, 64), (64, 192, 96)]
-
-
-@pytest.mark.parametrize("bm,bn,split", SPLIT_TILES)
-def test_split_n_kernels_compile_clean(bm, bn, split, tmp_path, monkeypatch):
-    """Both slices' QGMMA, one wait that leaves the second slice in flight per k-block, and
-    after the k-block's last wait only the second slice's FFMAs (its scale products and the
-    first slice's promotion ran before it); no spills, no local memory, no serialised wgmma.
-    k-grouped too at 128x160, the width it picks."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
-                           False, split)
-    assert f"split-n={split}" in str(cfg)
-    for k_grouped in (False, True) if (bm, bn) == (128, 160) else (False,):
-        compiled = g.compile_kernel(7168, cfg, k_grouped)[1]
-        what = f"k-grouped={k_grouped} {cfg}"
-        log = compiled.log
-        assert not re.search(r"C751[45]", log), f"{what}: ptxas serialised the wgmma\n{log}"
-        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-        assert not spills or max(spills) == 0, f"{what}: spills\n{log}"
-        path = tmp_path / "split.cubin"
-        path.write_bytes(compiled.cubin)
-        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-        ops = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip()
-               for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-        for width in (split, bn - split):  # 4 k-steps a slice
-            assert sum(f"QGMMA.64x{width}x32" in o for o in ops) == \
-                4 * (1 + (split == bn - split)), what
-        assert not any(re.search(r"\b(LDL|STL)\b", o) for o in ops), f"{what}: local memory"
-        assert sum("DEPBAR.LE gsb0, 0x1" in o for o in ops) == 1, what
-        last = max(i for i, o in enumerate(ops) if "DEPBAR.LE gsb0, 0x0" in o)
-        end = next(i for i in range(last, len(ops)) if ops[i].startswith("BRA"))
-        tail = ops[last:end]
-        assert sum(o.startswith("FFMA") for o in tail) == (bn - split) // 2, (what, tail)
-        assert not any(o.startswith("FMUL") for o in tail), (what, tail)
-
-
-def test_split_n_refusals():
-    for cfg in (g.Sm90Config1d1d(128, 160, 4, g.BAND_SIZE, 132, False, 100),
-                g.Sm90Config1d1d(128, 160, 4, g.BAND_SIZE, 132, False, 160),
-                g.Sm90Config1d1d(128, 128, 4, g.BAND_SIZE, 132, True, 64),
-                g.Sm90Config1d1d(256, 120, 4, g.BAND_SIZE, 132, False, 64)):
-        with pytest.raises(ValueError, match="split_n"):
-            g.Sm90Plan1d1d(problem(512, 1024, 1024, has_c=True), 0, cfg)
-
-
 def test_e5m2_a_kernels_compile_clean(tmp_path, monkeypatch):
     """A in e5m2: the widest tiles of each height, one and two accumulators, dense and
     k-grouped, compile as clean as the e4m3 ones, with the e5m2 x e4m3 QGMMA."""
@@ -457,28 +408,6 @@ def test_other_tiles(bm, bn, two, gpu_device):
     out = poisoned((m, n), torch.float32, gpu_device)
     _run(a, sa, b, sb, out, c, cfg)
     assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, str(cfg))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm,bn,split", SPLIT_TILES)
-def test_split_n_tiles(bm, bn, split, gpu_device):
-    """Each k-block's wgmma in two slices (the second one's B rows a swizzle atom further, its
-    sums the tile's last columns): M, N and K tails with a separate c, then accumulated in place;
-    at 128x160 the k-grouped kernel as well."""
-    cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
-                           False, split)
-    m, n, k = 300, FORCED_N, 1100
-    a, sa, b, sb = _operands(m, n, k, gpu_device)
-    c = torch.randn(m, n, device=gpu_device) * 64
-    out = poisoned((m, n), torch.float32, gpu_device)
-    _run(a, sa, b, sb, out, c, cfg)
-    assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, str(cfg))
-    out = c.clone()
-    _run(a, sa, b, sb, out, out, cfg)
-    assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, f"in place {cfg}")
-    if (bm, bn) != (128, 160):
-        return
-    _check_k_grouped_in_place(cfg, gpu_device)
 
 
 @pytest.mark.gpu
@@ -655,20 +584,6 @@ def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
         assert all(torch.equal(out[i], c[i]) for i, k in enumerate(ks) if k == 0)
 
 
-def _check_k_grouped_in_place(cfg, device):
-    """The k-grouped kernel of `cfg` accumulating in place, groups of K moved to k-blocks, one of
-    nothing, against float64."""
-    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
-    a, sa, b, sb = _k_operands(m, n, ks, device)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=device)
-    c = torch.randn(len(ks), m, n, device=device) * 64
-    out = c.clone()
-    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
-    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
-    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
-                      f"k-grouped {m}x{n} ks={ks} {cfg}")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("c_mode", ["none", "separate", "alias"])
 def test_tall_tiles(c_mode, gpu_device):
@@ -690,7 +605,15 @@ def test_tall_tiles(c_mode, gpu_device):
         assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} c={c_mode} {cfg}")
     if c_mode != "alias":
         return
-    _check_k_grouped_in_place(cfg, gpu_device)
+    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
+    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
+    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
+    out = c.clone()
+    p = replace(k_problem(m, n, [0] * len(ks), has_c=True), k=a.shape[1])
+    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out, ks_t)
+    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c), TENSOR_CORE_FP32_DIFF,
+                      f"k-grouped {m}x{n} ks={ks} {cfg}")
 
 
 @pytest.mark.gpu

@@ -19,8 +19,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, SPLIT_N_CONFIGS, TMA_LOAD_WITH_POLICY,
-                     compiler_or_skip)
+from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, TMA_LOAD_WITH_POLICY, compiler_or_skip
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -440,46 +439,7 @@ def test_split_per_tile_matches_the_kernel(bn, tmp_path, monkeypatch):
     assert g.split_per_tile(bn) == (bn in (96, 160, 192))
 
 
-# split_n (not offered by the heuristic yet): the configs the GPU tests run, dense and grouped.
-SPLIT_N_COMPILED = ([(GemmKind.DENSE, n, k, bm, bn, sn) for _, n, k, bm, bn, sn in SPLIT_N_CONFIGS]
-                    + [(kind, 576, 1408, 128, 160, 96) for kind in
-                       (GemmKind.CONTIGUOUS, GemmKind.OFFSETS, GemmKind.MASKED)]
-                    + [(GemmKind.CONTIGUOUS, 4096, 7168, 256, 128, 64)])
-
-
-@pytest.mark.parametrize("kind,n,k,bm,bn,split_n", SPLIT_N_COMPILED, ids=str)
-def test_split_n_configs_compile_clean(kind, n, k, bm, bn, split_n, tmp_path,
-                                      monkeypatch):
-    """Both slices' QGMMA; every wait that leaves the second slice in flight is followed by the
-    whole first slice's promotion (split_n / 2 FFMA per thread) before the branch to the last
-    wait; no spills, no local memory, no serialised wgmma."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    stages = g.max_stages(bm, bn, k, H200.smem_per_block, kind)
-    cfg = g.Sm90Config(bm, bn, stages, 1, False, g.BAND_SIZE, 132, False, 1, split_n)
-    assert f"split-n={split_n}" in str(cfg)
-    _, compiled, _, _ = g.compile_kernel(kind, n, k, cfg)
-    log = compiled.log
-    assert not re.search(r"C751[45]", log), log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    assert not spills or max(spills) == 0, log
-    path = tmp_path / "k.cubin"
-    path.write_bytes(compiled.cubin)
-    sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-    ops = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip()
-           for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-    for width in (split_n, bn - split_n):
-        assert any(f"QGMMA.64x{width}x32" in o for o in ops), f"{cfg}: no QGMMA.64x{width}x32"
-    assert not any(re.search(r"\b(LDL|STL)\b", o) for o in ops), f"{cfg}: local memory"
-    waits = [i for i, o in enumerate(ops) if "DEPBAR.LE gsb0, 0x1" in o]
-    assert waits, f"{cfg}: no wait that leaves the second slice in flight"
-    for i in waits:
-        end = next(j for j in range(i, len(ops)) if ops[j].startswith("BRA"))
-        assert sum(o.startswith("FFMA") for o in ops[i:end]) == split_n // 2, (cfg, ops[i:end])
-
-
-# Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_configs` runs,
+# Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_k_configs` runs,
 # and their float32 partial-sum stores in the SASS.
 @pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)
 def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkeypatch):

@@ -253,16 +253,14 @@ def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
         check_masked(out, a, sa, b, sb, masked_m)
 
 
-@pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x96", "128x192",
-                                  "128x160-split96"])
+@pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x96", "128x192"])
 @pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
 def test_idle_half_warpgroup(kind, tile, gpu_device):
     """128-row tiles whose second math warpgroup has no rows of the tile (a group's last block
     with at most 64 rows, masked_m % 128 in 1..64) run that warpgroup's k-loop without wgmma;
     blocks with 65..127 rows and whole ones compute on both. The config is built directly, with
     one and with two accumulators, and one-accumulator tiles whose B-scale split is a per-tile
-    constant (96 wide: the four splits of N = 576; 192: splits 0 and 64), and one whose k-block
-    wgmma goes out in two commit groups (split_n, not picked by the heuristic yet)."""
+    constant (96 wide: the four splits of N = 576; 192: splits 0 and 64)."""
     from dataclasses import replace
 
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
@@ -294,10 +292,8 @@ def test_idle_half_warpgroup(kind, tile, gpu_device):
     problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
                           Recipe.BLOCK, torch.bfloat16, expected_m=128 if kind == "masked" else 0)
     facts = DeviceFacts.of(gpu_device)
-    bn, two_accum = (128, True) if tile == "128x128-two-accum" else (int(tile[4:7]), False)
-    split_n = int(tile.split("split")[1]) if "split" in tile else 0
+    bn, two_accum = (128, True) if tile == "128x128-two-accum" else (int(tile[4:]), False)
     cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=128, block_n=bn,
-                  split_n=split_n,
                   num_stages=sm90.max_stages(128, bn, k, facts.smem_per_block, problem.kind),
                   two_accum=two_accum, num_multicast=1, splits=1,
                   grid=min(facts.num_sms, 2 * g * ceil_div(n, bn)))

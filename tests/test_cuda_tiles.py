@@ -50,16 +50,6 @@ def test_dense_split_k_variant_rederives_grid_and_drops_two_accum():
     assert wide.splits == 4 and not wide.two_accum and wide.grid <= 132
 
 
-def test_split_n_variant_drops_two_accum_and_keeps_the_tile():
-    p = ct.dense_problem(128, 32768, 512)  # the heuristic's 128x128 with two accumulators
-    base, cfg = _derive(g2.DENSE, p, "split_n=64")
-    assert base.two_accum and not cfg.two_accum
-    assert (cfg.block_m, cfg.block_n, cfg.split_n, cfg.grid) == (base.block_m, base.block_n, 64,
-                                                                 base.grid)
-    _, w = _derive(g1.DENSE, ct.wgrad_problem(2112, 7168, 4096), "split_n=96")
-    assert w.split_n == 96 and "split-n=96" in str(w)
-
-
 def test_wgrad_two_accum_variant():
     p = ct.wgrad_problem(2112, 7168, 4096)
     assert g1.DENSE.supports(p) is None

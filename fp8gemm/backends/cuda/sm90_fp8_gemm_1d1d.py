@@ -74,13 +74,6 @@ TWO_ACCUM_MAX_BLOCK_N = {128: 136, 64: 144}
 # goes"). A config may still ask for them.
 SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
-# NOTE: `split_n` issues each k-block's wgmma in two commit groups (columns [0, split_n) and the
-# rest) and promotes the first slice while the tensor cores run the second, so that of the
-# promotion only the second slice's FFMAs wait with the tensor cores idle: in the SASS at 128x160
-# (split 96) 32 FFMA follow the last wait of a k-block, against 70 FMUL + 80 FFMA with one group.
-# Built and compiled clean (no spills, 64..192 wide); the heuristic does not pick it until it has
-# been timed against one group on the H200
-# (`cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad --variants base,split_n=96`).
 # NOTE: a k-block costs the math warps a fixed part besides its wgmma (the full barrier's wait,
 # the scale loads, the promotion waiting for the last wgmma), which a wider tile spreads over more
 # columns. On the H200 a wave of 128-row tiles took a + b * ceil(BLOCK_N / 32) for widths 128-176
@@ -127,9 +120,6 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    # > 0: each k-block's wgmma in two commit groups, columns [0, split_n) and [split_n, BLOCK_N)
-    # (one accumulator, one wave): the first slice is promoted while the second's wgmma runs
-    split_n: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -144,8 +134,7 @@ class Sm90Config1d1d:
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else "")
-                + (f" split-n={self.split_n}" if self.split_n else ""))
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -237,7 +226,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {cfg.split_n}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}>")
     return source, name
 
 
@@ -285,10 +274,6 @@ class Sm90Plan1d1d:
                  "packs", "tmaps", "sm_override")
 
     def __init__(self, problem: GemmProblem, device_index: int, cfg: Sm90Config1d1d) -> None:
-        if cfg.split_n and not (cfg.split_n % 8 == 0 and 0 < cfg.split_n < cfg.block_n
-                                and cfg.block_m <= 128 and not cfg.two_accum):
-            raise ValueError(f"split_n={cfg.split_n} needs a multiple of 8 below block_n, one "
-                             f"accumulator and one wave of rows (block_m <= 128): {cfg}")
         self.sm_override = num_sms_override()  # the set_num_sms value the config was chosen under
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups

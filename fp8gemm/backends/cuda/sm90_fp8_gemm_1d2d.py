@@ -80,12 +80,6 @@ TWO_ACCUM_MIN_K = 1024
 TWO_ACCUM_MAX_K = 49152
 WIDE_TILE_EFFICIENCY = {64: 0.96, 128: 0.96, 256: 1.02}
 SPLIT_PER_TILE_GAIN = 1.03
-# NOTE: `split_n` issues each k-block's wgmma in two commit groups and promotes the first slice
-# while the tensor cores run the second, so that only the second slice's FFMAs wait with them
-# idle (at 256x128, split 64, ptxas also issues the second wave's wgmma among the first wave's
-# last FFMAs). Built and compiled clean, default SASS unchanged; the heuristic does not pick it
-# until it has been timed against one group on the H200 (`cuda_tiles.py --variants
-# base,split_n=64`).
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
@@ -184,9 +178,6 @@ class Sm90Config:
     # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
     # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
     splits: int = 1
-    # > 0 (one accumulator): each k-block's wgmma in two commit groups, columns [0, split_n) and
-    # [split_n, BLOCK_N); the first slice is promoted while the second's wgmma runs
-    split_n: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -201,8 +192,7 @@ class Sm90Config:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
                 + (" accum=2" if self.two_accum else "")
-                + (f" splits={self.splits}" if self.splits > 1 else "")
-                + (f" split-n={self.split_n}" if self.split_n else ""))
+                + (f" splits={self.splits}" if self.splits > 1 else ""))
 
 
 def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
@@ -350,7 +340,7 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
             f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c and cfg.splits == 1]}, "
-            f"{b[a_e5m2]}, {cfg.splits}, {cfg.split_n}>")
+            f"{b[a_e5m2]}, {cfg.splits}>")
     return source, name
 
 
@@ -395,10 +385,6 @@ class Sm90Plan:
                                or cfg.two_accum or not cfg.splits <= self.num_kb):
             raise ValueError(f"config {cfg}: split-K needs a dense problem, no multicast, one "
                              f"accumulator and at least one of the {self.num_kb} k-blocks a part")
-        if cfg.split_n and not (cfg.split_n % 8 == 0 and 0 < cfg.split_n < cfg.block_n
-                                and not cfg.two_accum):
-            raise ValueError(f"config {cfg}: split_n needs a multiple of 8 below block_n and one "
-                             f"accumulator")
         # split-K: a float32 [splits, M, N] workspace per stream (a stream's calls run in order)
         self.workspaces: dict[int, torch.Tensor] = {}
         smem = cfg.smem(problem.k, problem.kind)

@@ -109,31 +109,29 @@ struct alignas(8) Float2 {
   float x, y;
 };
 
-// Promotion of 8-column groups [kG0, kG0 + kNumG) of a tile from the waited-for wgmma accumulator
-// `acc` that holds them (rows r and r + 8): fin += acc * sa[row] * sb[col].
+// Promotion of the tile's 8-column groups from the waited-for wgmma accumulator `acc` (rows r and
+// r + 8): fin += acc * sa[row] * sb[col].
 // NOTE: the tensor cores keep ~14 bits of the FP8 product sum, so every 128 of K the partial sum
 // moves to the FP32 sums, scaled by sa[row] * sb[col].
-template <uint32_t kG0, uint32_t kNumG, uint32_t kNumAccum, uint32_t kNumSums,
-          uint32_t kNumColGroups>
-__device__ __forceinline__ void promote_groups(float (&fin)[kNumSums], float (&acc)[kNumAccum],
+template <uint32_t kNumAccum, uint32_t kNumColGroups>
+__device__ __forceinline__ void promote_groups(float (&fin)[kNumAccum], float (&acc)[kNumAccum],
                                                float sa0, float sa1,
                                                const Float2 (&sb)[kNumColGroups]) {
-  static_assert(4 * kNumG == kNumAccum && 4 * (kG0 + kNumG) <= kNumSums,
-                "groups of the accumulator");
+  static_assert(4 * kNumColGroups == kNumAccum, "four sums of a thread per 8-column group");
 #pragma unroll
   for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
 #pragma unroll
-  for (uint32_t g = 0; g < kNumG; ++g) {
-    const Float2 b = sb[kG0 + g];
-    fin[4 * (kG0 + g) + 0] = fmaf(acc[4 * g + 0], sa0 * b.x, fin[4 * (kG0 + g) + 0]);
-    fin[4 * (kG0 + g) + 1] = fmaf(acc[4 * g + 1], sa0 * b.y, fin[4 * (kG0 + g) + 1]);
-    fin[4 * (kG0 + g) + 2] = fmaf(acc[4 * g + 2], sa1 * b.x, fin[4 * (kG0 + g) + 2]);
-    fin[4 * (kG0 + g) + 3] = fmaf(acc[4 * g + 3], sa1 * b.y, fin[4 * (kG0 + g) + 3]);
+  for (uint32_t g = 0; g < kNumColGroups; ++g) {
+    const Float2 b = sb[g];
+    fin[4 * g + 0] = fmaf(acc[4 * g + 0], sa0 * b.x, fin[4 * g + 0]);
+    fin[4 * g + 1] = fmaf(acc[4 * g + 1], sa0 * b.y, fin[4 * g + 1]);
+    fin[4 * g + 2] = fmaf(acc[4 * g + 2], sa1 * b.x, fin[4 * g + 2]);
+    fin[4 * g + 3] = fmaf(acc[4 * g + 3], sa1 * b.y, fin[4 * g + 3]);
   }
 }
 
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2, uint32_t kSplitN>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
@@ -162,9 +160,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
                 "one or two math warpgroups of 64 rows each, in one or two waves");
   static_assert(!kTwoAccum || kNumWaves == 1, "two accumulators take one wave of rows");
-  static_assert(kSplitN == 0 || (kSplitN % 8 == 0 && kSplitN < BLOCK_N && kNumWaves == 1 &&
-                                 !kTwoAccum),
-                "a k-block's wgmma in two slices: 8-column steps, one accumulator, one wave");
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   static_assert(kNumStages >= 2, "at least double buffering");
@@ -264,8 +259,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     const uint64_t desc_b0 = make_smem_desc_sw128(smem_b);
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
-    // kSplitN: the two slices' accumulators in place of acc (unused where kSplitN == 0)
-    float acc_lo[kSplitN > 0 ? kSplitN / 2 : 1], acc_hi[kSplitN > 0 ? (BLOCK_N - kSplitN) / 2 : 1];
     const bool in_place = c == out;
 
     while (scheduler.next(tile)) {
@@ -330,8 +323,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             Float2 sb[kNumColGroups];
 #pragma unroll
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
-            promote_groups<0, kNumColGroups>(final_acc[0], cur, sa_rows[s * Layout::kSaStage],
-                                             sa_rows[s * Layout::kSaStage + 8], sb);
+            promote_groups(final_acc[0], cur, sa_rows[s * Layout::kSaStage],
+                           sa_rows[s * Layout::kSaStage + 8], sb);
             release(s);
           }
         }
@@ -354,45 +347,10 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 #pragma unroll
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
           }
-          if constexpr (kSplitN > 0) {
-            // NOTE: the k-block's wgmma in two commit groups, columns [0, kSplitN) into acc_lo
-            // and the rest into acc_hi: the first slice is promoted while the tensor cores
-            // still work on the second, so only the second's FFMAs wait with them idle (with
-            // one group both math warpgroups promote the whole tile after its wgmma, and the
-            // promotion's FMUL + FFMA per element did not overlap the tensor cores).
-            constexpr uint32_t kG1 = kSplitN / 8, kG2 = (BLOCK_N - kSplitN) / 8;
-            const uint64_t desc_a = desc_a0 + s * (Layout::SMEM_A / 16);
-            const uint64_t desc_b = desc_b0 + s * (Layout::SMEM_B / 16);
-            wgmma_k_steps<WgmmaFp8<kSplitN, kAE5M2>, 0, kNumKSteps>(acc_lo, desc_a, desc_b);
-            // (rows kSplitN.. of B's 128-byte-swizzled tile: whole 1024-byte atoms further)
-            wgmma_k_steps<WgmmaFp8<BLOCK_N - kSplitN, kAE5M2>, 0, kNumKSteps>(
-                acc_hi, desc_a, desc_b + kSplitN * BLOCK_K / 16);
-            wgmma_wait<1>();
-            promote_groups<0, kG1>(final_acc[0], acc_lo, sa0, sa1, sb);
-            // The second slice's scale products, before its wait.
-            float p_hi[4 * kG2];
-#pragma unroll
-            for (uint32_t g = 0; g < kG2; ++g) {
-              const Float2 b = sb[kG1 + g];
-              p_hi[4 * g + 0] = sa0 * b.x, p_hi[4 * g + 1] = sa0 * b.y;
-              p_hi[4 * g + 2] = sa1 * b.x, p_hi[4 * g + 3] = sa1 * b.y;
-            }
-#pragma unroll
-            for (uint32_t i = 0; i < 4 * kG2; ++i) fence_operand(p_hi[i]);
-            // (the fences keep the products in the block before the wait)
-            wgmma_wait_all_in_order(shape_k);
-            release(s);
-#pragma unroll
-            for (uint32_t i = 0; i < 4 * kG2; ++i) fence_operand(acc_hi[i]);
-#pragma unroll
-            for (uint32_t i = 0; i < 4 * kG2; ++i)
-              final_acc[0][4 * kG1 + i] = fmaf(acc_hi[i], p_hi[i], final_acc[0][4 * kG1 + i]);
-          } else {
-            issue(acc, s, w);
-            wgmma_wait<0>();
-            if (w + 1 == kNumWaves) release(s);
-            promote_groups<0, kNumColGroups>(final_acc[w], acc, sa0, sa1, sb);
-          }
+          issue(acc, s, w);
+          wgmma_wait<0>();
+          if (w + 1 == kNumWaves) release(s);
+          promote_groups(final_acc[w], acc, sa0, sa1, sb);
         }
       }
 

@@ -33,27 +33,23 @@ __host__ __device__ constexpr uint32_t pow2_factor_128(uint32_t n) {
 // block's sb0, the rest sb1. num_first = (128 - n0 % 128) / 8, clipped to BLOCK_N / 8.
 // kSplit < 128: n0 % 128 == kSplit, a compile-time constant (4 products and no selects);
 // kSplit == kAnySplit: num_first decides at run time, each group selecting its scale.
-// acc may hold a slice of the tile: its 8-column groups [kG0, kG0 + kNumG).
 constexpr uint32_t kAnySplit = 128;
-template <uint32_t BLOCK_N, uint32_t kSplit, uint32_t kG0 = 0, uint32_t kNumG = BLOCK_N / 8,
-          uint32_t kNumAccum>
+template <uint32_t BLOCK_N, uint32_t kSplit, uint32_t kNumAccum>
 __device__ __forceinline__ void promote_sums(uint32_t num_first, float* fin,
                                              float (&acc)[kNumAccum], float sa0, float sa1,
                                              float sb0, float sb1) {
-  static_assert(4 * kNumG == kNumAccum && kG0 + kNumG <= BLOCK_N / 8, "groups of the accumulator");
   constexpr uint32_t kFirst = (128 - kSplit) / 8 < BLOCK_N / 8 ? (128 - kSplit) / 8 : BLOCK_N / 8;
 #pragma unroll
   for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc[i]);
   const float s00 = sa0 * sb0, s01 = sa0 * sb1, s10 = sa1 * sb0, s11 = sa1 * sb1;
 #pragma unroll
-  for (uint32_t j = 0; j < kNumG; ++j) {
-    const uint32_t g = kG0 + j;
+  for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
     const bool first = kSplit == kAnySplit ? g < num_first : g < kFirst;
     const float c0 = first ? s00 : s01, c1 = first ? s10 : s11;
-    fin[4 * g + 0] = fmaf(acc[4 * j + 0], c0, fin[4 * g + 0]);
-    fin[4 * g + 1] = fmaf(acc[4 * j + 1], c0, fin[4 * g + 1]);
-    fin[4 * g + 2] = fmaf(acc[4 * j + 2], c1, fin[4 * g + 2]);
-    fin[4 * g + 3] = fmaf(acc[4 * j + 3], c1, fin[4 * g + 3]);
+    fin[4 * g + 0] = fmaf(acc[4 * g + 0], c0, fin[4 * g + 0]);
+    fin[4 * g + 1] = fmaf(acc[4 * g + 1], c0, fin[4 * g + 1]);
+    fin[4 * g + 2] = fmaf(acc[4 * g + 2], c1, fin[4 * g + 2]);
+    fin[4 * g + 3] = fmaf(acc[4 * g + 3], c1, fin[4 * g + 3]);
   }
 }
 
@@ -135,7 +131,7 @@ __device__ __forceinline__ void for_each_sum_pair(uint32_t m0, uint32_t n0, uint
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits, uint32_t kSplitN>
+          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits>
 __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
@@ -210,8 +206,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(kKind == kKindDense || !kHasC, "C is a dense kernel's input");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
-  static_assert(kSplitN == 0 || (kSplitN % 8 == 0 && kSplitN < BLOCK_N && !kTwoAccum),
-                "a k-block's wgmma in two slices: 8-column steps, one accumulator");
   static_assert(!kTwoAccum || (BLOCK_M <= 128 && BLOCK_N <= 128),
                 "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
@@ -405,8 +399,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // The FP32 sums of the tile being computed (with kTwoAccum, of the previous tile until its
     // epilogue has run under the next tile's first wgmma).
     float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
-    // kSplitN: the two slices' accumulators in place of acc (a placeholder size where unused)
-    float acc_lo[kSplitN > 0 ? kSplitN / 2 : 4], acc_hi[kSplitN > 0 ? (BLOCK_N - kSplitN) / 2 : 4];
     auto zero_sums = [&]() {
 #pragma unroll
       for (uint32_t w = 0; w < kNumWaves; ++w)
@@ -552,26 +544,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
       };
-      // kSplitN: the wgmma of k-block kb for wave w as two commit groups, columns [0, kSplitN)
-      // into acc_lo and the rest into acc_hi (the second slice's B rows whole 1024-byte swizzle
-      // atoms further). (`issue` keeps its own loops: written through wgmma_k_steps, the kernels
-      // with a partial last k-block compiled to other SASS.)
-      auto issue_slices = [&](uint32_t kb, uint32_t w) {
-        if constexpr (kSplitN > 0) {
-          constexpr uint32_t N2 = BLOCK_N - kSplitN;
-          const uint64_t desc_a = desc_a0 + (stage * Layout::SMEM_A + w * WAVE_M * BLOCK_K) / 16;
-          const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
-          const uint64_t desc_b2 = desc_b + kSplitN * BLOCK_K / 16;
-          if (kb + 1 < kNumKBlocks || kLastKSteps == kNumKSteps) {
-            wgmma_k_steps<WgmmaFp8<kSplitN, kAE5M2>, 0, kNumKSteps>(acc_lo, desc_a, desc_b);
-            wgmma_k_steps<WgmmaFp8<N2, kAE5M2>, 0, kNumKSteps>(acc_hi, desc_a, desc_b2);
-          } else {
-            constexpr uint32_t k_first = kShiftLastKBlock ? kNumKSteps - kLastKSteps : 0;
-            wgmma_k_steps<WgmmaFp8<kSplitN, kAE5M2>, k_first, kLastKSteps>(acc_lo, desc_a, desc_b);
-            wgmma_k_steps<WgmmaFp8<N2, kAE5M2>, k_first, kLastKSteps>(acc_hi, desc_a, desc_b2);
-          }
-        }
-      };
       // The stage is free once this warp's last wgmma have read it: release it to every CTA
       // whose producer writes into it.
       auto release = [&](uint32_t stage_) {
@@ -671,29 +643,15 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
             for (uint32_t w = 0; w < kNumWaves; ++w) {
               const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
               const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
-              constexpr uint32_t kSplit = decltype(split)::value;
-              if constexpr (kSplitN > 0) {
-                // NOTE: the first slice is promoted while the tensor cores run the second, so
-                // that only the second slice's FFMAs wait with them idle.
-                issue_slices(kb, w);
-                wgmma_wait<1>();
-                promote_sums<BLOCK_N, kSplit, 0, kSplitN / 8>(num_first, final_acc[w], acc_lo, sa0,
-                                                              sa1, sb0, sb1);
-                wgmma_wait_all_in_order(shape_m);
-              } else {
-                issue(acc, kb, w);
-                wgmma_wait<0>();
-              }
+              issue(acc, kb, w);
+              wgmma_wait<0>();
               if (w + 1 == kNumWaves) {
                 release(stage);
                 next_stage();
                 ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
               }
-              if constexpr (kSplitN > 0)
-                promote_sums<BLOCK_N, kSplit, kSplitN / 8, (BLOCK_N - kSplitN) / 8>(
-                    num_first, final_acc[w], acc_hi, sa0, sa1, sb0, sb1);
-              else
-                promote_sums<BLOCK_N, kSplit>(num_first, final_acc[w], acc, sa0, sa1, sb0, sb1);
+              promote_sums<BLOCK_N, decltype(split)::value>(num_first, final_acc[w], acc, sa0, sa1,
+                                                            sb0, sb1);
             }
           }
         };

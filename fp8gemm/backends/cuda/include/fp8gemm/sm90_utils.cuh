@@ -265,19 +265,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// wgmma_wait<0>() that what precedes it in the code also precedes it in the SASS: ptxas moves
-// independent FFMAs and FMULs below a wgmma wait freely (it sank a first slice's promotion below
-// the wait for the second slice's wgmma). A branch it cannot resolve ends the basic block; both
-// sides wait, so `unknown` only has to be a value the compiler cannot see (any kernel argument).
-__device__ __forceinline__ void wgmma_wait_all_in_order(uint32_t unknown) {
-  if (unknown != 0) {
-    wgmma_wait<0>();
-  } else {
-    wgmma_wait<0>();
-    __syncwarp();
-  }
-}
-
 // Keep the compiler from moving accumulator reads/writes across wgmma issue and wait.
 __device__ __forceinline__ void fence_operand(float& reg) {
   asm volatile("" : "+f"(reg)::"memory");
