@@ -539,6 +539,28 @@ def test_masked_config_follows_expected_m():
     assert block_m(g.MASKED_TALL_MIN_ROWS) == block_m(1024) == 256
 
 
+def test_skewed_grouped_tiles_as_measured():
+    """The moe-skewed suite's picks that the H200 timed against the alternatives in one run:
+    contiguous and offsets over 16 and 32 experts in 128x192 tiles (1.01-1.03x and 1.09-1.12x
+    128x128 with two accumulators, 128x160 0.96x), 8 masked experts of 128 expected rows at
+    7168x2048 in 128x128 with two accumulators (1.04x 128x160)."""
+    from fp8gemm.bench.impls import case_problem
+    from fp8gemm.bench.suites import suite_cases
+
+    for case in suite_cases("moe-skewed"):
+        p = case_problem(case)
+        cfg = g.GROUPED.select_config(p, H200)
+        tile = (cfg.block_m, cfg.block_n, cfg.two_accum)
+        if case.op in ("contiguous", "offsets") and case.groups >= 32:
+            assert tile == (128, 192, False), (case, cfg)
+        if case.op == "contiguous" and case.groups == 16:
+            assert tile == (128, 192, False), (case, cfg)
+        if case.op == "masked" and case.groups == 8 and (case.n, case.k) == (7168, 2048):
+            assert tile == (128, 128, True), (case, cfg)
+    # At equal waves a 160-wide 128-row tile is priced above a 192-wide one per FLOP.
+    assert g.tile_cost(128, 160, 7168) / 160 > g.tile_cost(128, 192, 7168) / 192
+
+
 def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
     compiler_or_skip()
     tool = _cuobjdump()

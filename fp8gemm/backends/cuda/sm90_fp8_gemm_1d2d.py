@@ -80,6 +80,18 @@ TWO_ACCUM_MIN_K = 1024
 TWO_ACCUM_MAX_K = 49152
 WIDE_TILE_EFFICIENCY = {64: 0.96, 128: 0.96, 256: 1.02}
 SPLIT_PER_TILE_GAIN = 1.03
+# Contiguous and offsets tiles read more per FLOP from L2 than the dense model's LOAD_WEIGHT says:
+# each group brings its own B, and the band walk that keeps a dense B panel in L2 ends at every
+# group boundary. In Nsight Compute on 16 skewed experts (4096x7168), 128x128 tiles with two
+# accumulators ran the L2 at 82 % of its peak bandwidth; on the H200, same run, 128x192 tiles (a
+# fifth less L2 traffic per FLOP) ran 1.2-2.8 % faster than them on 16 and 32 skewed experts
+# (2048 and 1024 rows each, 4096x7168 and 7168x2048), which the dense weight priced 3 % slower.
+CONTIGUOUS_LOAD_FACTOR = 1.1
+# 128-row tiles 136-160 wide (five 32-column wgmma steps) ran 4-7 % slower than 128x192 (six) on
+# the same problems (H200, same run: contiguous, 8-32 experts, 4096x7168 and 7168x2048; a few
+# per cent more per FLOP after the wave counts): a k-block's fixed part (the barrier wait, the
+# scale loads, the promotion's tail) is spread over fewer columns.
+FIVE_STEP_EFFICIENCY = 0.94
 # 2-CTA TMA multicast halves the L2 reads of the shared operand; measured on the suite's
 # compute-bound M = 4096 shapes it changed times by -3..+2 % (noise), so it is chosen only where
 # the model says loads bound the tile.
@@ -117,6 +129,8 @@ def mma_efficiency(block_m: int, block_n: int) -> float:
         eff *= WIDE_TILE_EFFICIENCY[block_m]
         if split_per_tile(block_n):
             eff *= SPLIT_PER_TILE_GAIN
+        if block_m == 128 and block_n <= 160:
+            eff *= FIVE_STEP_EFFICIENCY
     if block_m == 64:
         eff *= ONE_WARPGROUP_EFFICIENCY
     elif block_m == 256:
@@ -124,9 +138,9 @@ def mma_efficiency(block_m: int, block_n: int) -> float:
     return eff
 
 
-def tile_cost(block_m: int, block_n: int, k: int = 0) -> float:
+def tile_cost(block_m: int, block_n: int, k: int = 0, load_weight: float = LOAD_WEIGHT) -> float:
     cost = max(2 * block_m * block_n / mma_efficiency(block_m, block_n),
-               LOAD_WEIGHT * (block_m + block_n))
+               load_weight * (block_m + block_n))
     # The two accumulators' gain is measured on the whole tile (the model calls 128x128
     # load-bound; it ran faster than that bound with them).
     if use_two_accum(block_m, block_n, k) and k >= TWO_ACCUM_MIN_K:
@@ -222,6 +236,9 @@ def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
                     kind: GemmKind = GemmKind.DENSE) -> list[Candidate]:
     """Every tile shape that fits shared memory, with its modelled cost, for `groups` GEMMs of
     M = m rows each."""
+    load_weight = LOAD_WEIGHT
+    if kind in (GemmKind.CONTIGUOUS, GemmKind.OFFSETS):
+        load_weight *= CONTIGUOUS_LOAD_FACTOR
     out = []
     for bm in block_ms:
         if (bm == 128 and m <= 64) or (bm == 256 and m <= 128):
@@ -241,7 +258,7 @@ def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
             last = tiles - (waves - 1) * facts.num_sms
             # NOTE: rounded, so that tiles the model prices alike tie exactly and the tie-breaks
             # decide (7168 / 0.35 came out 1 ulp under 8192 / 0.4, and 64x56 beat 64x64 on that).
-            cost = round(waves * tile_cost(bm, bn, k), 6)
+            cost = round(waves * tile_cost(bm, bn, k, load_weight), 6)
             out.append(Candidate(bm, bn, stages, tiles, waves, last, cost))
     return out
 
