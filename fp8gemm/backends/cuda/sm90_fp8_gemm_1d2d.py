@@ -83,9 +83,10 @@ SPLIT_PER_TILE_GAIN = 1.03
 # Contiguous and offsets tiles read more per FLOP from L2 than the dense model's LOAD_WEIGHT says:
 # each group brings its own B, and the band walk that keeps a dense B panel in L2 ends at every
 # group boundary. In Nsight Compute on 16 skewed experts (4096x7168), 128x128 tiles with two
-# accumulators ran the L2 at 82 % of its peak bandwidth; on the H200, same run, 128x192 tiles (a
-# fifth less L2 traffic per FLOP) ran 1.2-2.8 % faster than them on 16 and 32 skewed experts
-# (2048 and 1024 rows each, 4096x7168 and 7168x2048), which the dense weight priced 3 % slower.
+# accumulators ran the L2 at 82 % of its peak bandwidth; on the H200 (two runs, each against them
+# in the same run) 128x192 tiles, a fifth less L2 traffic per FLOP, ran 0-3 % faster on 16 and 32
+# skewed experts (2048 and 1024 rows each, 4096x7168 and 7168x2048) and offsets 9-12 % faster on
+# 32, where the dense weight priced them 3 % slower.
 CONTIGUOUS_LOAD_FACTOR = 1.1
 # 128-row tiles 136-160 wide (five 32-column wgmma steps) ran 4-7 % slower than 128x192 (six) on
 # the same problems (H200, same run: contiguous, 8-32 experts, 4096x7168 and 7168x2048; a few
