@@ -14,7 +14,8 @@ from .ops import (fp8_gemm_nt, k_grouped_fp8_gemm_nt_contiguous,
                   m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
                   m_grouped_fp8_gemm_nt_offsets)
 from .problem import GemmKind, GemmProblem, Recipe
-from .quant import (DelayedScaling, calc_diff, quantize_per_block, quantize_per_channel,
+from .quant import (DelayedScaling, calc_diff, dequantize_per_block, quantize_per_block,
+                    quantize_per_channel,
                     quantize_per_block_transposed, quantize_per_tensor, quantize_per_token,
                     quantize_per_token_transposed, silu_mul_quantize_per_token)
 
@@ -26,7 +27,8 @@ __version__ = "0.1.0"
 __all__ = [
     "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
     "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
-    "quantize_per_token", "quantize_per_block", "quantize_per_tensor", "quantize_per_channel",
+    "quantize_per_token", "quantize_per_block", "dequantize_per_block", "quantize_per_tensor",
+    "quantize_per_channel",
     "silu_mul_quantize_per_token", "quantize_per_token_transposed", "quantize_per_block_transposed",
     "DelayedScaling", "calc_diff",
     "get_tma_aligned_size", "get_col_major_tma_aligned_tensor",

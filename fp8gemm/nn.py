@@ -22,7 +22,7 @@ from . import torch_ops  # noqa: F401  (registers torch.ops.fp8gemm)
 from .ops import (fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
                   m_grouped_fp8_gemm_nt_offsets)
 from .layout import get_col_major_tma_aligned_tensor
-from .problem import SCALE_BLOCK, ceil_div
+from .problem import FP8_DTYPES, SCALE_BLOCK, ceil_div
 from .moe import (moe_combine_contiguous, moe_combine_masked, moe_dispatch_contiguous,
                   moe_dispatch_masked)
 
@@ -49,6 +49,97 @@ def _check_training_options(what: str, trainable, master_dtype, grad_format) -> 
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --- pre-quantised weights ------------------------------------------------------------------------
+# A checkpoint quantised per 128x128 block (DeepSeek-V3, and the fine-grained FP8 checkpoints that
+# follow it) stores each weight in fp8 beside its block scales, under the name `<weight>_scale_inv`
+# (a dequantisation multiplier despite the name: real value = weight * scale, the meaning of this
+# library's `<weight>_scale`). The modules take such weights as they are, with no second rounding.
+
+def _fp8_non_finite(q: torch.Tensor) -> int:
+    """NaN (and e5m2 Inf) codes in an fp8 tensor, counted on its bits (fp8 has no isfinite)."""
+    bits = q.view(torch.uint8) & 0x7F
+    bad = bits == 0x7F if q.dtype == torch.float8_e4m3fn else bits >= 0x7C
+    return int(bad.sum())
+
+
+def _checked_fp8_weight(what: str, name: str, q: torch.Tensor, scale, shape: tuple,
+                        fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-quantised weight `q` (fp8; in format `fmt` unless None) of `shape` and its 128x128
+    block scales, checked; the scales as float32."""
+    if fmt is not None and q.dtype != quant.fp8_dtype(fmt)[0]:
+        raise TypeError(f"{what}: {name} is {q.dtype} but the module stores "
+                        f"{quant.fp8_dtype(fmt)[0]} (fmt={fmt!r}); build it with the "
+                        f"checkpoint's format, or dequantise the weight first "
+                        f"(fp8gemm.dequantize_per_block)")
+    if tuple(q.shape) != tuple(shape):
+        raise ValueError(f"{what}: {name} must be {list(shape)}, got {list(q.shape)}")
+    want = (*shape[:-2], ceil_div(shape[-2], SCALE_BLOCK), ceil_div(shape[-1], SCALE_BLOCK))
+    if scale is None:
+        raise ValueError(f"{what}: {name} is fp8 ({q.dtype}) and needs its 128x128 block scales "
+                         f"{list(want)} ({name}_scale, or {name}_scale_inv as DeepSeek-V3 "
+                         f"checkpoints name them)")
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() \
+            or scale.dtype in FP8_DTYPES:
+        raise TypeError(f"{what}: {name}_scale must be a float32 tensor, got "
+                        f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: {name}_scale must be {list(want)} (one per 128x128 block of "
+                         f"{name} {list(shape)}), got {list(scale.shape)}")
+    scale = scale.float()
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"{what}: {name}_scale must be finite, got "
+                         f"{int((~torch.isfinite(scale)).sum())} NaN or Inf value(s)")
+    bad = _fp8_non_finite(q)
+    if bad:
+        raise ValueError(f"{what}: {name} must be finite, got {bad} NaN or Inf code(s)")
+    return q, scale
+
+
+def _stored_form(module, what: str, name: str, w, scale, shape: tuple):
+    """What `module` keeps of weight `name` given `w` (and, for an fp8 `w`, its block scales
+    `scale`): (weight, scale) for an inference module, which stores fp8 per 128x128 block (a
+    floating-point `w` quantised here, an fp8 one as it is); (weight, None) for a trainable one,
+    whose master weight takes a floating-point `w` as it is and an fp8 one dequantised."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise TypeError(f"{what}: {name} must be a floating-point tensor, got "
+                        f"{getattr(w, 'dtype', type(w).__name__)}")
+    if w.dtype in FP8_DTYPES:
+        q, s = _checked_fp8_weight(what, name, w, scale, shape,
+                                   None if module.trainable else module.fmt)
+        if module.trainable:
+            return quant.dequantize_per_block(q, s, getattr(module, name).dtype), None
+        return q, s
+    if scale is not None:
+        raise ValueError(f"{what}: {name}_scale goes with an fp8 {name}; a {w.dtype} {name} is "
+                         f"quantised here")
+    if tuple(w.shape) != tuple(shape):
+        raise ValueError(f"{what}: {name} must be {list(shape)}, got {list(w.shape)}")
+    if module.trainable:
+        return w, None
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{what}: {name} must be finite to quantise to fp8, got "
+                         f"{int((~torch.isfinite(w)).sum())} NaN or Inf value(s)")
+    return quant.quantize_per_block(w, module.fmt, pow2_scales=module.pow2_scales)
+
+
+def _load_checkpoint_weight(module, what: str, state_dict: dict, prefix: str, name: str,
+                            shape: tuple) -> None:
+    """Put weight `name` of a state dict into the form `module` keeps (`_stored_form`), in
+    place, before nn.Module loads it, which would cast across fp8 and float with no scale.
+    Block scales named `<name>_scale_inv` (DeepSeek-V3's name) are taken as `<name>_scale`."""
+    key, skey, ikey = prefix + name, prefix + name + "_scale", prefix + name + "_scale_inv"
+    if ikey in state_dict:
+        if skey in state_dict:
+            raise ValueError(f"{what}: the state dict has both {skey} and {ikey}; give one")
+        state_dict[skey] = state_dict.pop(ikey)
+    if key not in state_dict:
+        return
+    w, s = _stored_form(module, what, name, state_dict[key], state_dict.pop(skey, None), shape)
+    state_dict[key] = w
+    if s is not None:
+        state_dict[skey] = s
 
 
 class _Fp8Cache:
@@ -213,34 +304,44 @@ class Fp8Linear(nn.Module):
                     name: str | None = None, **training) -> "Fp8Linear":
         """Quantise an nn.Linear's weight per 128x128 block (once, here); with
         `trainable=True` (and the other training options of `Fp8Linear`) copy it into the
-        master weight instead."""
+        master weight instead. A linear layer that holds a pre-quantised fp8 weight (such as
+        transformers' fine-grained FP8 layers: `weight` fp8 and `weight_scale_inv`, `block_size`
+        (128, 128)) is taken as it is, see `load_weight`."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear{f' ({name!r})' if name else ''}, "
                             f"got {type(linear).__name__}")
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
                 out_dtype=out_dtype, device=linear.weight.device, name=name, **training)
-        m.load_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        weight, scale = linear.weight.detach(), None
+        if weight.dtype in FP8_DTYPES:
+            scale = getattr(linear, "weight_scale_inv", None)
+            if scale is None:
+                scale = getattr(linear, "weight_scale", None)
+            block = getattr(linear, "block_size", None)
+            if block is not None and tuple(block) != (SCALE_BLOCK, SCALE_BLOCK):
+                raise ValueError(f"{m._what()}: the layer's fp8 weight is scaled per "
+                                 f"{list(block)} block; Fp8Linear takes 128x128 blocks "
+                                 f"(dequantise it first: fp8gemm.dequantize_per_block)")
+            scale = None if scale is None else scale.detach()
+        m.load_weight(weight, None if linear.bias is None else linear.bias.detach(),
+                      weight_scale=scale)
         return m
 
     @torch.no_grad()
-    def load_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Quantise `weight` [out_features, in_features] into this layer (a trainable one copies
-        it into its master weight); copy `bias`."""
-        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-            raise TypeError(f"{self._what()}: weight must be a floating-point tensor, got "
-                            f"{getattr(weight, 'dtype', type(weight).__name__)}")
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"{self._what()}: weight must be [{self.out_features}, "
-                             f"{self.in_features}], got {list(weight.shape)}")
-        if not bool(torch.isfinite(weight).all()):
-            bad = int((~torch.isfinite(weight)).sum())
-            raise ValueError(f"{self._what()}: weight must be finite to quantise to fp8, got "
-                             f"{bad} NaN or Inf value(s)")
-        if self.trainable:
-            self.weight.copy_(weight)  # (bumps the version: the fp8 copy follows)
-        else:
-            q, s = quant.quantize_per_block(weight, self.fmt, pow2_scales=self.pow2_scales)
-            self.weight.copy_(q)
+    def load_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    weight_scale: torch.Tensor | None = None) -> None:
+        """Put `weight` [out_features, in_features] into this layer and copy `bias`.
+
+        A floating-point weight is quantised per 128x128 block (a trainable layer copies it
+        into its master weight). An fp8 weight is pre-quantised (a DeepSeek-V3-style
+        checkpoint's `weight` with `weight_scale_inv`): `weight_scale` [ceil(out/128),
+        ceil(in/128)] holds its block scales (real value = weight * scale), and the pair is
+        stored as it is, in the layer's `fmt` (a trainable layer dequantises it into its master
+        weight)."""
+        w, s = _stored_form(self, self._what(), "weight", weight, weight_scale,
+                            (self.out_features, self.in_features))
+        self.weight.copy_(w)
+        if s is not None:
             self.weight_scale.copy_(s)
         if bias is not None:
             if self.bias is None:
@@ -249,6 +350,11 @@ class Fp8Linear(nn.Module):
                 raise ValueError(f"{self._what()}: bias must be [{self.out_features}], got "
                                  f"{list(bias.shape)}")
             self.bias.copy_(bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _load_checkpoint_weight(self, self._what(), state_dict, prefix, "weight",
+                                (self.out_features, self.in_features))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
@@ -510,21 +616,30 @@ class Fp8MoE(nn.Module):
         self.register_buffer("w2_scale", torch.ones(g, -(-h // 128), -(-i // 128), device=device))
 
     @torch.no_grad()
-    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Quantise w13 [G, 2I, H] and w2 [G, H, I] into the module (a trainable one copies
-        them into its master weights)."""
+    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor, *,
+                     w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None) -> None:
+        """Put w13 [G, 2I, H] and w2 [G, H, I] into the module: floating-point weights are
+        quantised per 128x128 block (a trainable module copies them into its master weights);
+        fp8 ones are pre-quantised and come with their block scales `w13_scale` [G,
+        ceil(2I/128), ceil(H/128)] and `w2_scale` [G, ceil(H/128), ceil(I/128)], stored as
+        they are (a trainable module dequantises them). A checkpoint's per-expert W1 and W3
+        (with their scales) stack along the rows into w13 when I % 128 == 0; otherwise a
+        128-row block of w13 would straddle the two, so dequantise them first
+        (fp8gemm.dequantize_per_block)."""
         g, h, i = self.num_experts, self.hidden, self.intermediate
-        if tuple(w13.shape) != (g, 2 * i, h):
-            raise ValueError(f"w13 must be [{g}, {2 * i}, {h}], got {list(w13.shape)}")
-        if tuple(w2.shape) != (g, h, i):
-            raise ValueError(f"w2 must be [{g}, {h}, {i}], got {list(w2.shape)}")
-        for name, w in (("w13", w13), ("w2", w2)):
-            if self.trainable:
-                getattr(self, name).copy_(w)
-                continue
-            q, s = quant.quantize_per_block(w, self.fmt, pow2_scales=self.pow2_scales)
-            getattr(self, name).copy_(q)
-            getattr(self, f"{name}_scale").copy_(s)
+        for name, w, scale, shape in (("w13", w13, w13_scale, (g, 2 * i, h)),
+                                      ("w2", w2, w2_scale, (g, h, i))):
+            w, s = _stored_form(self, "Fp8MoE", name, w, scale, shape)
+            getattr(self, name).copy_(w)
+            if s is not None:
+                getattr(self, f"{name}_scale").copy_(s)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        g, h, i = self.num_experts, self.hidden, self.intermediate
+        _load_checkpoint_weight(self, "Fp8MoE", state_dict, prefix, "w13", (g, 2 * i, h))
+        _load_checkpoint_weight(self, "Fp8MoE", state_dict, prefix, "w2", (g, h, i))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def refresh_weights(self) -> None:
         """Quantise a trainable module's master weights again on the next call (needed only

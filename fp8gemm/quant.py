@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .layout import get_col_major_tma_aligned_tensor
-from .problem import SCALE_BLOCK
+from .problem import FP8_DTYPES, SCALE_BLOCK, ceil_div
 
 __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
-           "quantize_per_tensor", "quantize_per_channel", "silu_mul_quantize_per_token",
+           "dequantize_per_block", "quantize_per_tensor", "quantize_per_channel", "silu_mul_quantize_per_token",
            "quantize_per_token_transposed", "quantize_per_block_transposed",
            "DelayedScaling", "calc_diff"]
 
@@ -35,7 +35,7 @@ def fp8_dtype(fmt: str) -> tuple[torch.dtype, float]:
 def _check_input(x, min_dim: int = 1) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
-    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if not x.is_floating_point() or x.dtype in FP8_DTYPES:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     if x.dim() < min_dim:
         raise ValueError(f"x must have at least {min_dim} dims, got shape {list(x.shape)}")
@@ -220,6 +220,34 @@ def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
     if kernels is not None:
         return kernels.quantize_per_block(w, fmt, pow2_scales=pow2_scales)
     return per_block_torch(w, fmt, pow2_scales)
+
+
+def dequantize_per_block(q: torch.Tensor, scale: torch.Tensor,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The real values of a weight quantised per 128x128 block: q [..., N, K] (e4m3 or e5m2)
+    times its block's scale, scale [..., ceil(N/128), ceil(K/128)] (any float dtype), returned
+    in `dtype` (the product taken in float32, or float64 for float64). The inverse of
+    `quantize_per_block` up to fp8 rounding, and how a pre-quantised checkpoint (DeepSeek-V3's
+    `weight` and `weight_scale_inv`) becomes a bf16 weight again."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in FP8_DTYPES:
+        raise TypeError(f"q must be a float8_e4m3fn or float8_e5m2 tensor, got "
+                        f"{getattr(q, 'dtype', type(q).__name__)}")
+    if q.dim() < 2:
+        raise ValueError(f"q must have at least 2 dims [..., N, K], got shape {list(q.shape)}")
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() \
+            or scale.dtype in FP8_DTYPES:
+        raise TypeError(f"scale must be a float32, float16 or bfloat16 tensor, got "
+                        f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    n, k = q.shape[-2:]
+    want = (*q.shape[:-2], ceil_div(n, _GROUP), ceil_div(k, _GROUP))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale must be {list(want)} for q of shape {list(q.shape)} (one per "
+                         f"128x128 block), got {list(scale.shape)}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
+        raise TypeError(f"dtype must be a float32, float16 or bfloat16 dtype, got {dtype}")
+    work = torch.promote_types(dtype, torch.float32)
+    full = _expand_groups(_expand_groups(scale.to(q.device, work), -2, n), -1, k)
+    return (q.to(work) * full).to(dtype)
 
 
 # NOTE: the transposing quantisers are the quantisers above on a transposed view, bit for bit. On

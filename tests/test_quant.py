@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import fp8gemm
 from fp8gemm.layout import get_tma_aligned_size, is_col_major_tma_aligned
+from fp8gemm.problem import Recipe
 from fp8gemm.quant import AMAX_FLOOR
 from helpers import (E4M3, E5M2, FP8_MAX, FP8_STEP_FRACTION, QUANT_TOL, calc_diff, dequant_b,
                      fp8_half_step, fp8_steps, is_pow2)
@@ -303,3 +304,33 @@ def test_triton_quantisers_compile_for_sm90():
         ptx = k.asm["ptx"]
         assert "ld.local" not in ptx and "st.local" not in ptx, name
         assert "ld.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, name
+
+
+@pytest.mark.parametrize("fmt", ("e4m3", "e5m2"))
+def test_dequantize_per_block_is_q_times_its_block_scale(fmt):
+    """dequantize_per_block multiplies each element by its own 128x128 block's scale (irregular
+    N and K, leading expert dim), matching the tests' float64 dequantisation."""
+    w = torch.randn(3, 300, 260) * torch.logspace(-3, 2, 260)
+    q, s = fp8gemm.quantize_per_block(w, fmt)
+    d = fp8gemm.dequantize_per_block(q, s, torch.float64)
+    for g in range(3):
+        assert torch.equal(d[g], dequant_b(q[g], s[g], Recipe.BLOCK, False))
+    assert calc_diff(d, w) < QUANT_TOL[E4M3 if fmt == "e4m3" else E5M2]
+    assert fp8gemm.dequantize_per_block(q, s).dtype == torch.bfloat16
+    assert torch.equal(fp8gemm.dequantize_per_block(q, s, torch.float32),
+                       (q.float() * s.repeat_interleave(128, -2)[:, :300]
+                        .repeat_interleave(128, -1)[..., :260]))
+
+
+def test_dequantize_per_block_errors():
+    q, s = fp8gemm.quantize_per_block(torch.randn(130, 260))
+    with pytest.raises(TypeError, match="q must be a float8_e4m3fn or float8_e5m2 tensor, got "
+                                        "torch.float32"):
+        fp8gemm.dequantize_per_block(q.float(), s)
+    with pytest.raises(ValueError, match=r"scale must be \[2, 3\] for q of shape \[130, 260\] "
+                                         r"\(one per 128x128 block\), got \[3, 2\]"):
+        fp8gemm.dequantize_per_block(q, s.T)
+    with pytest.raises(TypeError, match="scale must be a float32, float16 or bfloat16"):
+        fp8gemm.dequantize_per_block(q, q[:2, :3])
+    with pytest.raises(TypeError, match="dtype must be a float32, float16 or bfloat16 dtype"):
+        fp8gemm.dequantize_per_block(q, s, torch.int32)
