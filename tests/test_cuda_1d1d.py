@@ -651,3 +651,102 @@ def test_k_grouped_cuda_graph_reads_ks_on_the_device(gpu_device):
         torch.cuda.synchronize()
         assert_close_diff(out, _k_reference(a, sa, b, sb, ks), TENSOR_CORE_FP32_DIFF,
                           f"replay ks={ks}")
+
+
+# --- the staged epilogue (staged_store: opt-in, not picked by the heuristic) -----------------------
+# Tiles with it: the widest of each height (dense and k-grouped), two accumulators, a width whose
+# staged rows need no pad (152) and one that does (160).
+STAGED_TILES = [(128, 160, False), (128, 152, False), (128, 176, False), (64, 192, False),
+                (128, 128, True), (64, 16, False)]
+
+
+def _staged(bm, bn, two=False):
+    return g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block, True), g.BAND_SIZE,
+                            132, two, staged_store=True)
+
+
+def test_staged_store_kernels_compile_clean(tmp_path, monkeypatch):
+    """The staged epilogue adds the FP32 tile to shared memory (the stages that fit shrink:
+    smem_bytes) and leaves no per-thread reductions: one bulk copy or bulk reduction per row."""
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    assert g.smem_bytes(128, 160, 3, True) - g.smem_bytes(128, 160, 3) == 128 * 168 * 4
+    assert g.smem_bytes(128, 152, 4, True) - g.smem_bytes(128, 152, 4) == 128 * 152 * 4
+    cases = [(7168, _staged(bm, bn, two), False) for bm, bn, two in STAGED_TILES]
+    cases += [(7168, _staged(bm, g.K_GROUPED_BLOCK_N_CHOICES[bm][-1]), True)
+              for bm in g.BLOCK_M_CHOICES]
+    for n, cfg, k_grouped in cases:
+        assert cfg.num_stages >= 3 and cfg.smem <= H200.smem_per_block
+        what = f"staged k-grouped={k_grouped} {cfg}"
+        compiled = g.compile_kernel(n, cfg, k_grouped)[1]
+        path = tmp_path / "staged.cubin"
+        path.write_bytes(compiled.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert not re.search(r"\b(LDL|STL)\b", sass), what
+        assert "UBLKRED.G.S.ADD.F32" in sass and "UBLKCP.G.S" in sass, what
+        assert not re.search(r"REDG|STG", sass), f"{what}: per-thread global stores left"
+        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
+        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
+        assert len(found) >= 2 and max(map(int, found)) == 0, res
+
+
+def test_staged_store_refuses_what_it_cannot_copy():
+    with pytest.raises(ValueError, match=r"staged_store takes BLOCK_M <= 128 and N % 4 == 0 "
+                                         r"\(whole 16-byte bulk copies\), got BLOCK_M = 128, "
+                                         r"N = 1002"):
+        g.Sm90Plan1d1d(problem(256, 1002, 512), 0, _staged(128, 128))
+    with pytest.raises(ValueError, match="got BLOCK_M = 256"):
+        g.Sm90Plan1d1d(problem(256, 1000, 512), 0, replace(_staged(128, 120), block_m=256))
+    assert "staged-store" in str(_staged(128, 160))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm,bn,two", STAGED_TILES)
+@pytest.mark.parametrize("c_mode", ["none", "alias"])
+def test_staged_store_matches_float64(bm, bn, two, c_mode, gpu_device):
+    """Against float64 with M, N and K tails (N = 1004: the last tile's rows end in a 16-byte
+    unit), in place and into a poisoned out, dense and k-grouped (groups of nothing included:
+    left untouched in place, zeros otherwise); bit-identical repeats."""
+    cfg = _staged(bm, bn, two)
+    m, n, k = 300, 1004, 1100
+    a, sa, b, sb = _operands(m, n, k, gpu_device)
+    c = torch.randn(m, n, device=gpu_device) * 64
+    outs = []
+    for _ in range(2):
+        out = c.clone() if c_mode == "alias" else poisoned((m, n), torch.float32, gpu_device)
+        outs.append(_run(a, sa, b, sb, out, out if c_mode == "alias" else None, cfg))
+    ref = _reference(a, sa, b, sb, c if c_mode == "alias" else None)
+    assert_close_diff(outs[0], ref, TENSOR_CORE_FP32_DIFF, f"{cfg} c={c_mode}")
+    assert torch.equal(outs[0], outs[1])
+    if bn > g.K_GROUPED_BLOCK_N_CHOICES[bm][-1]:
+        return  # (wider than the k-grouped kernel compiles without spills)
+    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
+    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
+    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
+    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
+    out = c.clone() if c_mode == "alias" else poisoned((len(ks), m, n), torch.float32, gpu_device)
+    p = replace(k_problem(m, n, [0] * len(ks), has_c=c_mode == "alias"), k=a.shape[1])
+    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out if c_mode == "alias" else None, ks_t)
+    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c if c_mode == "alias" else None),
+                      TENSOR_CORE_FP32_DIFF, f"k-grouped {cfg} c={c_mode}")
+    assert torch.equal(out[2], c[2] if c_mode == "alias" else torch.zeros_like(out[2]))
+
+
+@pytest.mark.gpu
+def test_staged_store_misaligned_out_and_separate_c(gpu_device):
+    """An out 8 but not 16 bytes aligned goes through an aligned copy (in place too); a separate
+    c is the other epilogue's, and the config says so."""
+    cfg = _staged(128, 160)
+    m, n, k = 200, 264, 512
+    a, sa, b, sb = _operands(m, n, k, gpu_device)
+    c = torch.randn(m, n, device=gpu_device)
+    buf = poisoned((m * n + 2,), torch.float32, gpu_device)
+    out = buf[2:].view(m, n)
+    assert out.data_ptr() % 16 == 8
+    out.copy_(c)
+    _run(a, sa, b, sb, out, out, cfg)
+    assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, "8-byte offset")
+    assert torch.isnan(buf[:2]).all()
+    with pytest.raises(ValueError, match="staged_store takes c = out .* got a separate c"):
+        _run(a, sa, b, sb, poisoned((m, n), torch.float32, gpu_device), c, cfg)

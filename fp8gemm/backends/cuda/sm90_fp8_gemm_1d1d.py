@@ -95,17 +95,23 @@ def num_threads(block_m: int) -> int:
     return 128 + (128 if block_m == 64 else 256)
 
 
-def smem_bytes(block_m: int, block_n: int, num_stages: int) -> int:
+def staged_pitch(block_n: int) -> int:
+    """Sm90Fp8Gemm1d1dLayout::kStagedPitch: floats between two rows of the staged tile."""
+    return block_n + 8 if block_n % 16 == 0 else block_n
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, staged_store: bool = False) -> int:
     """Sm90Fp8Gemm1d1dLayout::kSmemBytes: the kernel traps when launched with less."""
     # NOTE: a stage's scales start on 128 bytes (TMA's shared-memory alignment).
     per_stage = (block_m + block_n) * BLOCK_K + (align(block_m, 32) + align(block_n, 32)) * 4
-    return 1024 + num_stages * per_stage + 2 * num_stages * 8
+    staged = align(block_m * staged_pitch(block_n) * 4, 1024) if staged_store else 0
+    return 1024 + staged + num_stages * per_stage + 2 * num_stages * 8
 
 
-def max_stages(block_m: int, block_n: int, smem_limit: int) -> int:
+def max_stages(block_m: int, block_n: int, smem_limit: int, staged_store: bool = False) -> int:
     """The deepest pipeline of this tile that fits `smem_limit` bytes (0: none fits)."""
     for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
-        if smem_bytes(block_m, block_n, s) <= smem_limit:
+        if smem_bytes(block_m, block_n, s, staged_store) <= smem_limit:
             return s
     return 0
 
@@ -120,6 +126,9 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
+    # the epilogue through a staged FP32 tile in shared memory and one bulk copy per row (an L2
+    # reduction in place), for c = out or no c, N % 4 == 0, BLOCK_M <= 128
+    staged_store: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -129,12 +138,13 @@ class Sm90Config1d1d:
     def smem(self) -> int:
         """Dynamic shared memory of this config, bytes (independent of K: the scales travel with
         their stage)."""
-        return smem_bytes(self.block_m, self.block_n, self.num_stages)
+        return smem_bytes(self.block_m, self.block_n, self.num_stages, self.staged_store)
 
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else ""))
+                + (" two-accum" if self.two_accum else "")
+                + (" staged-store" if self.staged_store else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -226,7 +236,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{b[cfg.two_accum]}, {b[a_e5m2]}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {b[cfg.staged_store]}>")
     return source, name
 
 
@@ -278,6 +288,9 @@ class Sm90Plan1d1d:
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.k_grouped = problem.kind is GemmKind.K_GROUPED
+        if cfg.staged_store and (cfg.block_m > 128 or problem.n % 4):
+            raise ValueError(f"staged_store takes BLOCK_M <= 128 and N % 4 == 0 (whole 16-byte "
+                             f"bulk copies), got BLOCK_M = {cfg.block_m}, N = {problem.n}")
         a_e5m2 = problem.a_dtype == torch.float8_e5m2
         self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped, a_e5m2),
                                 (str(INCLUDE_DIR),))
@@ -330,11 +343,18 @@ class Sm90Plan1d1d:
                     k_groups_on_blocks(b, cols, sa.shape[1]))
         else:
             a, b = _tma_rows(a), _tma_rows(b)
-        dst = out
-        # NOTE: the epilogue stores two floats at once (8 bytes); a view at an odd float offset
-        # goes through a copy (slow but correct, never an error). c is read with 4-byte loads.
-        if out.data_ptr() % 8:
+        dst, staged = out, self.cfg.staged_store
+        in_place = c is not None and c.data_ptr() == out.data_ptr()
+        if staged and c is not None and not in_place:
+            raise ValueError("staged_store takes c = out (accumulated in place) or no c, got a "
+                             "separate c")
+        # NOTE: the epilogue stores two floats at once (8 bytes; the staged one copies rows of
+        # 16-byte units); another offset goes through a copy (slow but correct, never an
+        # error). c is read with 4-byte loads.
+        if out.data_ptr() % (16 if staged else 8):
             dst = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            if staged and in_place:
+                c = dst.copy_(out)
         key = pack_key(a, sa, b, sb, dst, c, ks)
         pack = self.packs.get(key)
         if pack is None:
