@@ -88,6 +88,8 @@ def _checked_fp8_weight(what: str, name: str, q: torch.Tensor, scale, shape: tup
         raise ValueError(f"{what}: {name}_scale must be {list(want)} (one per 128x128 block of "
                          f"{name} {list(shape)}), got {list(scale.shape)}")
     scale = scale.float()
+    if q.is_meta or scale.is_meta:
+        return q, scale  # (no values to check: a skeleton's state dict)
     if not bool(torch.isfinite(scale).all()):
         raise ValueError(f"{what}: {name}_scale must be finite, got "
                          f"{int((~torch.isfinite(scale)).sum())} NaN or Inf value(s)")
@@ -118,7 +120,7 @@ def _stored_form(module, what: str, name: str, w, scale, shape: tuple):
         raise ValueError(f"{what}: {name} must be {list(shape)}, got {list(w.shape)}")
     if module.trainable:
         return w, None
-    if not bool(torch.isfinite(w).all()):
+    if not w.is_meta and not bool(torch.isfinite(w).all()):
         raise ValueError(f"{what}: {name} must be finite to quantise to fp8, got "
                          f"{int((~torch.isfinite(w)).sum())} NaN or Inf value(s)")
     return quant.quantize_per_block(w, module.fmt, pow2_scales=module.pow2_scales)

@@ -260,6 +260,21 @@ def test_state_dict_of_a_checkpoint_loads_in_any_form():
         m.load_state_dict({"weight": w, "weight_scale": s, "bias": bias})
 
 
+def test_meta_state_dicts_load_without_value_checks():
+    """A skeleton's state dict (meta tensors, assign=True) has no values to check or quantise:
+    it loads as shapes and dtypes, in any of the forms above."""
+    with torch.device("meta"):
+        skeleton = Fp8Linear(260, 300)
+    m = Fp8Linear(260, 300)
+    m.load_state_dict(skeleton.state_dict(), assign=True)
+    assert m.weight.is_meta and m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.is_meta
+    m = Fp8Linear(260, 300)
+    m.load_state_dict({"weight": torch.empty(300, 260, device="meta"),
+                       "bias": torch.empty(300, device="meta")}, assign=True)
+    assert m.weight.is_meta and m.weight.dtype == torch.float8_e4m3fn
+    assert m.weight_scale.shape == (3, 3) and m.weight_scale.is_meta
+
+
 def test_prefixed_checkpoint_loads_into_a_converted_model():
     """A whole model's checkpoint (prefixed keys, DeepSeek-V3 names) into a bf16 skeleton that
     convert() turned into Fp8Linear layers."""
