@@ -95,20 +95,33 @@ def num_threads(block_m: int) -> int:
     return 128 + (128 if block_m == 64 else 256)
 
 
+# The epilogues (Sm90Config1d1d.staged_store): per-thread stores (L2 reductions in place); the
+# FP32 tile staged in shared memory of its own, then one bulk copy per row; the same, staged in
+# the stages of the tile's last k-blocks (held_stages of them), released a k-block into the next.
+STAGED_NONE, STAGED_TILE, STAGED_IN_STAGES = 0, 1, 2
+
+
 def staged_pitch(block_n: int) -> int:
     """Sm90Fp8Gemm1d1dLayout::kStagedPitch: floats between two rows of the staged tile."""
     return block_n + 8 if block_n % 16 == 0 else block_n
 
 
-def smem_bytes(block_m: int, block_n: int, num_stages: int, staged_store: bool = False) -> int:
+def held_stages(block_m: int, block_n: int) -> int:
+    """Sm90Fp8Gemm1d1dLayout::kHeldStages: the stages whose A and B tiles take the staged rows."""
+    row = staged_pitch(block_n) * 4
+    return ceil_div(block_m, block_m * BLOCK_K // row + block_n * BLOCK_K // row)
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, staged_store: int = 0) -> int:
     """Sm90Fp8Gemm1d1dLayout::kSmemBytes: the kernel traps when launched with less."""
     # NOTE: a stage's scales start on 128 bytes (TMA's shared-memory alignment).
     per_stage = (block_m + block_n) * BLOCK_K + (align(block_m, 32) + align(block_n, 32)) * 4
-    staged = align(block_m * staged_pitch(block_n) * 4, 1024) if staged_store else 0
+    staged = (align(block_m * staged_pitch(block_n) * 4, 1024) if staged_store == STAGED_TILE
+              else 0)
     return 1024 + staged + num_stages * per_stage + 2 * num_stages * 8
 
 
-def max_stages(block_m: int, block_n: int, smem_limit: int, staged_store: bool = False) -> int:
+def max_stages(block_m: int, block_n: int, smem_limit: int, staged_store: int = 0) -> int:
     """The deepest pipeline of this tile that fits `smem_limit` bytes (0: none fits)."""
     for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
         if smem_bytes(block_m, block_n, s, staged_store) <= smem_limit:
@@ -126,9 +139,9 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    # the epilogue through a staged FP32 tile in shared memory and one bulk copy per row (an L2
-    # reduction in place), for c = out or no c, N % 4 == 0, BLOCK_M <= 128
-    staged_store: bool = False
+    # the epilogue (STAGED_*): 1 and 2 stage the FP32 tile in shared memory and send each row as
+    # one bulk copy (an L2 reduction in place), for c = out or no c, N % 4 == 0, BLOCK_M <= 128
+    staged_store: int = STAGED_NONE
 
     @property
     def num_threads(self) -> int:
@@ -144,7 +157,8 @@ class Sm90Config1d1d:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
                 + (" two-accum" if self.two_accum else "")
-                + (" staged-store" if self.staged_store else ""))
+                + {STAGED_NONE: "", STAGED_TILE: " staged-tile",
+                   STAGED_IN_STAGES: " staged-in-stages"}.get(self.staged_store, " staged=?"))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -236,7 +250,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {b[cfg.staged_store]}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {int(cfg.staged_store)}>")
     return source, name
 
 
@@ -276,6 +290,23 @@ def pack_key(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
             0 if c is None else c.data_ptr(), 0 if ks is None else ks.data_ptr(), sa.shape[1])
 
 
+def _check_staged(cfg: Sm90Config1d1d, n: int) -> None:
+    """ValueError unless the kernel can build `cfg`'s epilogue for N = n."""
+    mode = cfg.staged_store
+    if mode == STAGED_NONE:
+        return
+    if mode not in (STAGED_TILE, STAGED_IN_STAGES):
+        raise ValueError(f"staged_store is 0, 1 or 2, got {mode!r}")
+    if cfg.block_m > 128 or n % 4:
+        raise ValueError(f"staged_store takes BLOCK_M <= 128 and N % 4 == 0 (whole 16-byte "
+                         f"bulk copies), got BLOCK_M = {cfg.block_m}, N = {n}")
+    held = held_stages(cfg.block_m, cfg.block_n)
+    if mode == STAGED_IN_STAGES and (cfg.two_accum or cfg.num_stages < held + 2):
+        raise ValueError(f"staged_store=2 takes one accumulator and at least {held + 2} stages "
+                         f"({held} hold a {cfg.block_m}x{cfg.block_n} tile's rows, two load the "
+                         f"next tile), got two_accum={cfg.two_accum}, {cfg.num_stages} stages")
+
+
 class Sm90Plan1d1d:
     """Everything fixed for one (problem, device, config): kernel, launch config, and the
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
@@ -288,9 +319,7 @@ class Sm90Plan1d1d:
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.k_grouped = problem.kind is GemmKind.K_GROUPED
-        if cfg.staged_store and (cfg.block_m > 128 or problem.n % 4):
-            raise ValueError(f"staged_store takes BLOCK_M <= 128 and N % 4 == 0 (whole 16-byte "
-                             f"bulk copies), got BLOCK_M = {cfg.block_m}, N = {problem.n}")
+        _check_staged(cfg, problem.n)
         a_e5m2 = problem.a_dtype == torch.float8_e5m2
         self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped, a_e5m2),
                                 (str(INCLUDE_DIR),))
