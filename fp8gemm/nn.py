@@ -84,10 +84,14 @@ def _checked_fp8_weight(what: str, name: str, q: torch.Tensor, scale, shape: tup
             or scale.dtype in FP8_DTYPES:
         raise TypeError(f"{what}: {name}_scale must be a float32 tensor, got "
                         f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    lead = tuple(shape[:-2])
+    if tuple(scale.shape) in {lead, lead + (1,), lead + (1, 1)} | ({(1,)} if not lead else set()):
+        # one scale per tensor (per expert): every block takes it, exactly
+        scale = scale.reshape(*lead, 1, 1).expand(want)
     if tuple(scale.shape) != want:
         raise ValueError(f"{what}: {name}_scale must be {list(want)} (one per 128x128 block of "
-                         f"{name} {list(shape)}), got {list(scale.shape)}")
-    scale = scale.float()
+                         f"{name} {list(shape)}) or one per tensor, got {list(scale.shape)}")
+    scale = scale.float().contiguous()
     if q.is_meta or scale.is_meta:
         return q, scale  # (no values to check: a skeleton's state dict)
     if not bool(torch.isfinite(scale).all()):
@@ -337,9 +341,9 @@ class Fp8Linear(nn.Module):
         A floating-point weight is quantised per 128x128 block (a trainable layer copies it
         into its master weight). An fp8 weight is pre-quantised (a DeepSeek-V3-style
         checkpoint's `weight` with `weight_scale_inv`): `weight_scale` [ceil(out/128),
-        ceil(in/128)] holds its block scales (real value = weight * scale), and the pair is
-        stored as it is, in the layer's `fmt` (a trainable layer dequantises it into its master
-        weight)."""
+        ceil(in/128)] holds its block scales (real value = weight * scale; one scale for the
+        whole tensor is taken by every block), and the pair is stored as it is, in the layer's
+        `fmt` (a trainable layer dequantises it into its master weight)."""
         w, s = _stored_form(self, self._what(), "weight", weight, weight_scale,
                             (self.out_features, self.in_features))
         self.weight.copy_(w)
@@ -624,8 +628,8 @@ class Fp8MoE(nn.Module):
         """Put w13 [G, 2I, H] and w2 [G, H, I] into the module: floating-point weights are
         quantised per 128x128 block (a trainable module copies them into its master weights);
         fp8 ones are pre-quantised and come with their block scales `w13_scale` [G,
-        ceil(2I/128), ceil(H/128)] and `w2_scale` [G, ceil(H/128), ceil(I/128)], stored as
-        they are (a trainable module dequantises them). A checkpoint's per-expert W1 and W3
+        ceil(2I/128), ceil(H/128)] and `w2_scale` [G, ceil(H/128), ceil(I/128)] (or one per
+        expert, [G]), stored as they are (a trainable module dequantises them). A checkpoint's per-expert W1 and W3
         (with their scales) stack along the rows into w13 when I % 128 == 0; otherwise a
         128-row block of w13 would straddle the two, so dequantise them first
         (fp8gemm.dequantize_per_block)."""

@@ -209,7 +209,8 @@ def test_prequantised_weight_errors_name_the_layer_and_the_constraint():
                                          r"needs its 128x128 block scales \[3, 3\]"):
         m.load_weight(q)
     with pytest.raises(ValueError, match=r"weight_scale must be \[3, 3\] \(one per 128x128 block "
-                                         r"of weight \[300, 260\]\), got \[3, 2\]"):
+                                         r"of weight \[300, 260\]\) or one per tensor, got "
+                                         r"\[3, 2\]"):
         m.load_weight(q, weight_scale=s[:, :2])
     bad = s.clone()
     bad[0, 0] = float("nan")
@@ -230,6 +231,25 @@ def test_prequantised_weight_errors_name_the_layer_and_the_constraint():
         Fp8Linear.from_linear(_CheckpointFp8Linear(q, s, block_size=(1, 128)))
     # (unchanged by any of the failed loads)
     assert not bool(m.weight.float().any())
+
+
+def test_per_tensor_scales_become_the_block_grid():
+    """A checkpoint scaled per tensor (per expert for Fp8MoE) loads exactly: every block takes
+    the one scale, the fp8 codes stay."""
+    gen = torch.Generator().manual_seed(5)
+    q, s = fp8gemm.quantize_per_tensor(torch.randn(300, 260, generator=gen))
+    for scale in (s, s.reshape(()), s.reshape(1, 1)):
+        m = Fp8Linear(260, 300, bias=False)
+        m.load_weight(q, weight_scale=scale)
+        assert torch.equal(m.weight_scale, s.expand(3, 3)) and torch.equal(_bits(m.weight), _bits(q))
+    m.load_state_dict({"weight": q, "weight_scale": s})
+    assert torch.equal(m.weight_scale, s.expand(3, 3))
+    moe = Fp8MoE(2, 256, 128)
+    w13, s13 = fp8gemm.quantize_per_tensor(torch.randn(2, 256, 256, generator=gen))
+    w2 = torch.randn(2, 256, 128, generator=gen)
+    per_expert = torch.tensor([0.5, 0.25])
+    moe.load_weights(w13, w2, w13_scale=per_expert)
+    assert torch.equal(moe.w13_scale, per_expert.reshape(2, 1, 1).expand(2, 2, 2))
 
 
 def test_state_dict_of_a_checkpoint_loads_in_any_form():
@@ -337,6 +357,7 @@ def test_moe_takes_prequantised_experts():
     odd = Fp8MoE(1, 256, 192)
     gate, up = _checkpoint_weight(192, 256), _checkpoint_weight(192, 256, seed=1)
     with pytest.raises(ValueError, match=r"w13_scale must be \[1, 3, 2\] \(one per 128x128 "
-                                         r"block of w13 \[1, 384, 256\]\), got \[1, 4, 2\]"):
+                                         r"block of w13 \[1, 384, 256\]\) or one per tensor, "
+                                         r"got \[1, 4, 2\]"):
         odd.load_weights(torch.cat([gate[0], up[0]])[None], torch.zeros(1, 256, 192),
                          w13_scale=torch.cat([gate[1], up[1]])[None])
