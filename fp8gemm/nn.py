@@ -312,7 +312,8 @@ class Fp8Linear(nn.Module):
         `trainable=True` (and the other training options of `Fp8Linear`) copy it into the
         master weight instead. A linear layer that holds a pre-quantised fp8 weight (such as
         transformers' fine-grained FP8 layers: `weight` fp8 and `weight_scale_inv`, `block_size`
-        (128, 128)) is taken as it is, see `load_weight`."""
+        (128, 128)) is taken as it is, see `load_weight`; its activations are then quantised
+        per 1x128 group on every call, whatever scheme the layer used."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear{f' ({name!r})' if name else ''}, "
                             f"got {type(linear).__name__}")
@@ -404,11 +405,15 @@ class ConvertReport:
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    # the converted layers that already held fp8 weights, taken with their scales as stored
+    prequantised: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} nn.Linear layer(s) to Fp8Linear, "
                  f"left {len(self.skipped)}"]
-        lines += [f"  fp8   {name}" for name in self.converted]
+        lines += [f"  fp8   {name}" + (" (pre-quantised, kept as stored)"
+                                       if name in self.prequantised else "")
+                  for name in self.converted]
         lines += [f"  kept  {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -457,6 +462,8 @@ def convert(model: nn.Module, include=None, exclude=DEFAULT_EXCLUDE, min_feature
             setattr(parent, child_name, fp8)
             done[id(child)] = fp8
             report.converted.append(name)
+            if child.weight.dtype in FP8_DTYPES:
+                report.prequantised.append(name)
     return report
 
 

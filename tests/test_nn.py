@@ -191,6 +191,7 @@ def test_convert_takes_a_prequantised_layer_as_it_is():
     model = nn.Sequential(_CheckpointFp8Linear(q, s, bias), nn.ReLU())
     report = convert(model)
     assert report.converted == ["0"] and isinstance(model[0], Fp8Linear)
+    assert report.prequantised == ["0"] and "fp8   0 (pre-quantised, kept as stored)" in str(report)
     assert torch.equal(_bits(model[0].weight), _bits(q)) and torch.equal(model[0].weight_scale, s)
     x = torch.randn(9, 260)
     a, sa = fp8gemm.quantize_per_token(x)
