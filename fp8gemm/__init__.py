@@ -15,9 +15,8 @@ from .ops import (fp8_gemm_nt, k_grouped_fp8_gemm_nt_contiguous,
                   m_grouped_fp8_gemm_nt_offsets)
 from .problem import GemmKind, GemmProblem, Recipe
 from .quant import (DelayedScaling, calc_diff, dequantize_per_block, quantize_per_block,
-                    quantize_per_channel,
-                    quantize_per_block_transposed, quantize_per_tensor, quantize_per_token,
-                    quantize_per_token_transposed, silu_mul_quantize_per_token)
+                    quantize_per_block_transposed, quantize_per_channel, quantize_per_tensor,
+                    quantize_per_token, quantize_per_token_transposed, silu_mul_quantize_per_token)
 
 from . import torch_ops  # noqa: E402  (registers torch.ops.fp8gemm.*, used while compiling)
 from . import nn  # noqa: E402  (fp8gemm.nn: Fp8Linear, Fp8MoE, convert)

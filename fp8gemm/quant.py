@@ -16,9 +16,9 @@ from .layout import get_col_major_tma_aligned_tensor
 from .problem import FP8_DTYPES, SCALE_BLOCK, ceil_div
 
 __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
-           "dequantize_per_block", "quantize_per_tensor", "quantize_per_channel", "silu_mul_quantize_per_token",
-           "quantize_per_token_transposed", "quantize_per_block_transposed",
-           "DelayedScaling", "calc_diff"]
+           "dequantize_per_block", "quantize_per_tensor", "quantize_per_channel",
+           "silu_mul_quantize_per_token", "quantize_per_token_transposed",
+           "quantize_per_block_transposed", "DelayedScaling", "calc_diff"]
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 AMAX_FLOOR = 1e-4
