@@ -373,7 +373,7 @@ class Sm90Plan1d1d:
         else:
             a, b = _tma_rows(a), _tma_rows(b)
         dst, staged = out, self.cfg.staged_store
-        in_place = c is not None and c.data_ptr() == out.data_ptr()
+        in_place = staged and c is not None and c.data_ptr() == out.data_ptr()
         if staged and c is not None and not in_place:
             raise ValueError("staged_store takes c = out (accumulated in place) or no c, got a "
                              "separate c")
@@ -382,7 +382,7 @@ class Sm90Plan1d1d:
         # error). c is read with 4-byte loads.
         if out.data_ptr() % (16 if staged else 8):
             dst = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            if staged and in_place:
+            if in_place:
                 c = dst.copy_(out)
         key = pack_key(a, sa, b, sb, dst, c, ks)
         pack = self.packs.get(key)
