@@ -12,8 +12,8 @@ A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE cha
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
 heuristic's value, except those that follow from a changed field, unless they are given too: a
 changed block_m or block_n re-derives num_stages (the most that fit the device's shared memory,
-up to the most the family's candidates use; even for the small-M family; also for a changed
-staged_store) and two_accum (off, also for a changed splits); a
+up to the most the family's candidates use; even for the small-M family) and two_accum (off,
+also for a changed splits); a
 changed block_m, block_n, num_multicast or splits (the 1D2D family's split-K) re-derives grid
 (a CTA per tile, or per tile and split, up to the SM count, a
 multiple of the cluster; small-M: a changed block_m or num_splits, one CTA per tile and split).
@@ -71,7 +71,6 @@ from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E40
 
 M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
 TILE_FIELDS = ("block_m", "block_n")  # num_stages and two_accum follow from these
-SMEM_FIELDS = TILE_FIELDS + ("staged_store",)  # num_stages follows from these
 GRID_FIELDS = ("block_m", "block_n", "num_multicast", "splits")  # grid follows from these
 MAX_DIFF = 1e-5  # the library's bound for bf16 output (fp32 output lands closer)
 
@@ -193,7 +192,7 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
             grid = min(facts.num_sms, tile_count(problem, cfg) * getattr(cfg, "splits", 1))
             mc = getattr(cfg, "num_multicast", 1)
             cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
-    if any(f in changes for f in SMEM_FIELDS) and "num_stages" not in changes:
+    if tile_changed and "num_stages" not in changes:
         fits = [s for s in range(max_stages, 0, -1)
                 if not (split and s % 2)
                 and config_smem(dataclasses.replace(cfg, num_stages=s), problem)

@@ -117,12 +117,13 @@ def test_config_is_the_cheapest(m, n, k):
 
 def test_wgrad_table(monkeypatch):
     """The tiles chosen for the suite's weight gradients on the H200. One accumulator: 128x160,
-    whose k-blocks spread their fixed part over 160 columns (KBLOCK_FIXED_STEPS), and 128x176 at
-    N = 512 (three n-blocks instead of four). Offered two accumulators (at most 136 wide), the
-    model takes 128x136 with two at 2112x7168 (six waves against 7.2) and 128x128 with two
-    elsewhere."""
+    whose k-blocks spread their fixed part over 160 columns (KBLOCK_FIXED_STEPS); 128x152 at
+    7168x2048 (six waves either way, less work per tile); 128x176 at N = 512 (three n-blocks
+    instead of four, though its ring is shallower: SHALLOW_RING_COST). Offered two accumulators (at most 136 wide), the
+    model takes 128x136 with two where that saves a wave (2112x7168: seven against eight;
+    7168x16384, 4096x7168) and 128x128 with two elsewhere."""
     expect = {(2112, 7168): (128, 160), (24576, 1536): (128, 160), (32768, 512): (128, 176),
-              (7168, 16384): (128, 160), (4096, 7168): (128, 160), (7168, 2048): (128, 160)}
+              (7168, 16384): (128, 160), (4096, 7168): (128, 160), (7168, 2048): (128, 152)}
     for pick in (False, True):
         monkeypatch.setattr(g, "PICK_TWO_ACCUM", pick)
         g._select.cache_clear()
@@ -130,7 +131,8 @@ def test_wgrad_table(monkeypatch):
             for k in (4096, 1000):
                 cfg = g.DENSE.select_config(problem(m, n, k), H200)
                 if pick:
-                    want = (128, 136 if (m, n) == (2112, 7168) else 128, True)
+                    wide = (m, n) in ((2112, 7168), (7168, 16384), (4096, 7168))
+                    want = (128, 136 if wide else 128, True)
                 else:
                     want = tile + (False,)
                 assert (cfg.block_m, cfg.block_n, cfg.two_accum) == want, (pick, m, n, k, cfg)
@@ -651,122 +653,3 @@ def test_k_grouped_cuda_graph_reads_ks_on_the_device(gpu_device):
         torch.cuda.synchronize()
         assert_close_diff(out, _k_reference(a, sa, b, sb, ks), TENSOR_CORE_FP32_DIFF,
                           f"replay ks={ks}")
-
-
-# --- the staged epilogues (staged_store 1 and 2: opt-in, not picked by the heuristic) -------------
-# (BLOCK_M, BLOCK_N, two accumulators, staged_store): the widest clean tiles of each height, two
-# accumulators (staged_store=1 only), a width whose staged rows need no pad (152) and one that does
-# (160), the narrowest one-warpgroup tile.
-STAGED_TILES = [(128, 160, False, 1), (128, 152, False, 1), (128, 176, False, 1),
-                (64, 192, False, 1), (128, 128, True, 1), (64, 16, False, 1),
-                (128, 160, False, 2), (128, 168, False, 2), (64, 192, False, 2),
-                (128, 128, False, 2), (64, 16, False, 2)]
-
-
-def _staged(bm, bn, two=False, mode=1):
-    return g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block, mode), g.BAND_SIZE,
-                            132, two, staged_store=mode)
-
-
-def test_staged_store_kernels_compile_clean(tmp_path, monkeypatch):
-    """The staged epilogues: staged_store=1 adds the FP32 tile to shared memory (the stages that
-    fit shrink: smem_bytes) and leaves no per-thread stores; staged_store=2 stages the tile in the
-    stages of its last k-blocks (the same stages as without) and keeps the per-thread epilogue
-    only for tiles of fewer k-blocks than it holds. Either sends a row per bulk copy."""
-    compiler_or_skip()
-    tool = _cuobjdump()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    assert g.smem_bytes(128, 160, 3, 1) - g.smem_bytes(128, 160, 3) == 128 * 168 * 4
-    assert g.smem_bytes(128, 152, 4, 1) - g.smem_bytes(128, 152, 4) == 128 * 152 * 4
-    assert g.smem_bytes(128, 160, 6, 2) == g.smem_bytes(128, 160, 6)
-    # 128x160: 24 rows of 672 bytes in a stage's A tile, 30 in its B tile
-    assert g.held_stages(128, 160) == 3 and g.held_stages(64, 192) == 2
-    cases = [(7168, _staged(bm, bn, two, mode), False) for bm, bn, two, mode in STAGED_TILES]
-    cases += [(7168, _staged(bm, g.K_GROUPED_BLOCK_N_CHOICES[bm][-1], False, mode), True)
-              for bm in g.BLOCK_M_CHOICES for mode in (1, 2)]
-    for n, cfg, k_grouped in cases:
-        assert cfg.num_stages >= 3 and cfg.smem <= H200.smem_per_block
-        what = f"staged k-grouped={k_grouped} {cfg}"
-        compiled = g.compile_kernel(n, cfg, k_grouped)[1]
-        path = tmp_path / "staged.cubin"
-        path.write_bytes(compiled.cubin)
-        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-        assert not re.search(r"\b(LDL|STL)\b", sass), what
-        assert "UBLKRED.G.S.ADD.F32" in sass and "UBLKCP.G.S" in sass, what
-        if cfg.staged_store == 1:
-            assert not re.search(r"REDG|STG", sass), f"{what}: per-thread global stores left"
-        res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
-        found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
-        assert len(found) >= 2 and max(map(int, found)) == 0, res
-
-
-def test_staged_store_refuses_what_it_cannot_build():
-    with pytest.raises(ValueError, match=r"staged_store takes BLOCK_M <= 128 and N % 4 == 0 "
-                                         r"\(whole 16-byte bulk copies\), got BLOCK_M = 128, "
-                                         r"N = 1002"):
-        g.Sm90Plan1d1d(problem(256, 1002, 512), 0, _staged(128, 128))
-    with pytest.raises(ValueError, match="got BLOCK_M = 256"):
-        g.Sm90Plan1d1d(problem(256, 1000, 512), 0, replace(_staged(128, 120), block_m=256))
-    with pytest.raises(ValueError, match=r"staged_store=2 takes one accumulator and at least 5 "
-                                         r"stages \(3 hold a 128x160 tile's rows"):
-        g.Sm90Plan1d1d(problem(256, 1000, 512), 0, replace(_staged(128, 160, False, 2),
-                                                           num_stages=4))
-    with pytest.raises(ValueError, match="got two_accum=True"):
-        g.Sm90Plan1d1d(problem(256, 1000, 512), 0, _staged(128, 128, True, 2))
-    with pytest.raises(ValueError, match="staged_store is 0, 1 or 2, got 3"):
-        g.Sm90Plan1d1d(problem(256, 1000, 512), 0, replace(_staged(128, 128), staged_store=3))
-    assert "staged-tile" in str(_staged(128, 160))
-    assert "staged-in-stages" in str(_staged(128, 160, False, 2))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm,bn,two,mode", STAGED_TILES)
-@pytest.mark.parametrize("c_mode", ["none", "alias"])
-def test_staged_store_matches_float64(bm, bn, two, mode, c_mode, gpu_device):
-    """Against float64 with M, N and K tails (N = 1004: the last tile's rows end in a 16-byte
-    unit), in place and into a poisoned out, with tiles too short for the held stages (K = 200:
-    the per-thread epilogue) and k-grouped (groups of 8, 2, 1 and no k-blocks in one launch: left
-    untouched in place, zeros otherwise); bit-identical repeats."""
-    cfg = _staged(bm, bn, two, mode)
-    for m, n, k in ((300, 1004, 1100), (200, 1004, 200)):
-        a, sa, b, sb = _operands(m, n, k, gpu_device)
-        c = torch.randn(m, n, device=gpu_device) * 64
-        outs = []
-        for _ in range(2):
-            out = c.clone() if c_mode == "alias" else poisoned((m, n), torch.float32, gpu_device)
-            outs.append(_run(a, sa, b, sb, out, out if c_mode == "alias" else None, cfg))
-        ref = _reference(a, sa, b, sb, c if c_mode == "alias" else None)
-        assert_close_diff(outs[0], ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} {cfg} c={c_mode}")
-        assert torch.equal(outs[0], outs[1])
-    if bn > g.K_GROUPED_BLOCK_N_CHOICES[bm][-1]:
-        return  # (wider than the k-grouped kernel compiles without spills)
-    m, n, ks = 300, 200, (1000, 37, 0, 129, 17)
-    a, sa, b, sb = _k_operands(m, n, ks, gpu_device)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
-    c = torch.randn(len(ks), m, n, device=gpu_device) * 64
-    out = c.clone() if c_mode == "alias" else poisoned((len(ks), m, n), torch.float32, gpu_device)
-    p = replace(k_problem(m, n, [0] * len(ks), has_c=c_mode == "alias"), k=a.shape[1])
-    g.K_GROUPED.run(cfg, p, a, sa, b, sb, out, out if c_mode == "alias" else None, ks_t)
-    assert_close_diff(out, _k_reference(a, sa, b, sb, ks, c if c_mode == "alias" else None),
-                      TENSOR_CORE_FP32_DIFF, f"k-grouped {cfg} c={c_mode}")
-    assert torch.equal(out[2], c[2] if c_mode == "alias" else torch.zeros_like(out[2]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", [1, 2])
-def test_staged_store_misaligned_out_and_separate_c(mode, gpu_device):
-    """An out 8 but not 16 bytes aligned goes through an aligned copy (in place too); a separate
-    c is the other epilogue's, and the config says so."""
-    cfg = _staged(128, 160, False, mode)
-    m, n, k = 200, 264, 512
-    a, sa, b, sb = _operands(m, n, k, gpu_device)
-    c = torch.randn(m, n, device=gpu_device)
-    buf = poisoned((m * n + 2,), torch.float32, gpu_device)
-    out = buf[2:].view(m, n)
-    assert out.data_ptr() % 16 == 8
-    out.copy_(c)
-    _run(a, sa, b, sb, out, out, cfg)
-    assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, "8-byte offset")
-    assert torch.isnan(buf[:2]).all()
-    with pytest.raises(ValueError, match="staged_store takes c = out .* got a separate c"):
-        _run(a, sa, b, sb, poisoned((m, n), torch.float32, gpu_device), c, cfg)

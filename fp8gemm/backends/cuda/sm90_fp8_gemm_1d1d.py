@@ -76,14 +76,19 @@ SERIAL_PROMOTION_EFFICIENCY = 0.82
 PICK_TWO_ACCUM = False
 # NOTE: a k-block costs the math warps a fixed part besides its wgmma (the full barrier's wait,
 # the scale loads, the promotion waiting for the last wgmma), which a wider tile spreads over more
-# columns. On the H200 a wave of 128-row tiles took a + b * ceil(BLOCK_N / 32) for widths 128-176
-# (a / b = 4.6 at 24576x1536x4096, 3.4 at 4096x7168x4096). With it the model takes 128x160 for
-# five of the six DeepSeek-V3 weight gradients and 128x176 for 32768x512 (three n-blocks, not
-# four); against 128x128 in one run they took 4-14 % less time at 4096 tokens (7168x2048
-# 149.7 us against 155.1, 2112x7168 149.1 against 169.7). Tiles up to 128 wide keep the 1D2D
-# model: with the fixed part added there the model took fewer, larger tiles for small weight
-# gradients (256x256, 300x500, 130x2112, 1000x576 at 4096 tokens), which ran 8-19 % slower.
+# columns. On the H200 a wave of 128-row tiles took a + b * BLOCK_N / 32 for widths 128-160 with
+# a / b = 4 (7168x16384x4096, 44-55 waves: 22.3, 22.7, 24.1, 24.3, 25.1 us per wave at 128, 136,
+# 144, 152, 160), as a / b = 3.4-4.6 fitted at 24576x1536 and 4096x7168 for widths 128-176. The
+# two widest tiles, which fit five stages rather than six, ran 7 % (168) and 9 % (176) above
+# that line: SHALLOW_RING_COST. The model takes 128x160 for four of the six DeepSeek-V3 weight
+# gradients, 128x152 for 7168x2048 (six waves either way: 2-5 % faster than 128x160 in four runs)
+# and 128x176 for 32768x512 (three n-blocks, not four); against 128x128 in one run they took
+# 4-14 % less time at 4096 tokens. Tiles up to 128 wide keep the 1D2D model: with the fixed
+# part added there the model took fewer, larger tiles for small weight gradients (256x256,
+# 300x500, 130x2112, 1000x576 at 4096 tokens), which ran 8-19 % slower.
 KBLOCK_FIXED_STEPS = 4
+FULL_RING_STAGES = 6
+SHALLOW_RING_COST = 1.07
 # NOTE: A may be e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2,
 # X^T e4m3): one more wgmma type (`.e5m2.e4m3`), the same pipeline.
 A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,36 +100,17 @@ def num_threads(block_m: int) -> int:
     return 128 + (128 if block_m == 64 else 256)
 
 
-# The epilogues (Sm90Config1d1d.staged_store): per-thread stores (L2 reductions in place); the
-# FP32 tile staged in shared memory of its own, then one bulk copy per row; the same, staged in
-# the stages of the tile's last k-blocks (held_stages of them), released a k-block into the next.
-STAGED_NONE, STAGED_TILE, STAGED_IN_STAGES = 0, 1, 2
-
-
-def staged_pitch(block_n: int) -> int:
-    """Sm90Fp8Gemm1d1dLayout::kStagedPitch: floats between two rows of the staged tile."""
-    return block_n + 8 if block_n % 16 == 0 else block_n
-
-
-def held_stages(block_m: int, block_n: int) -> int:
-    """Sm90Fp8Gemm1d1dLayout::kHeldStages: the stages whose A and B tiles take the staged rows."""
-    row = staged_pitch(block_n) * 4
-    return ceil_div(block_m, block_m * BLOCK_K // row + block_n * BLOCK_K // row)
-
-
-def smem_bytes(block_m: int, block_n: int, num_stages: int, staged_store: int = 0) -> int:
+def smem_bytes(block_m: int, block_n: int, num_stages: int) -> int:
     """Sm90Fp8Gemm1d1dLayout::kSmemBytes: the kernel traps when launched with less."""
     # NOTE: a stage's scales start on 128 bytes (TMA's shared-memory alignment).
     per_stage = (block_m + block_n) * BLOCK_K + (align(block_m, 32) + align(block_n, 32)) * 4
-    staged = (align(block_m * staged_pitch(block_n) * 4, 1024) if staged_store == STAGED_TILE
-              else 0)
-    return 1024 + staged + num_stages * per_stage + 2 * num_stages * 8
+    return 1024 + num_stages * per_stage + 2 * num_stages * 8
 
 
-def max_stages(block_m: int, block_n: int, smem_limit: int, staged_store: int = 0) -> int:
+def max_stages(block_m: int, block_n: int, smem_limit: int) -> int:
     """The deepest pipeline of this tile that fits `smem_limit` bytes (0: none fits)."""
     for s in range(MAX_STAGES, MIN_STAGES - 1, -1):
-        if smem_bytes(block_m, block_n, s, staged_store) <= smem_limit:
+        if smem_bytes(block_m, block_n, s) <= smem_limit:
             return s
     return 0
 
@@ -139,9 +125,6 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    # the epilogue (STAGED_*): 1 and 2 stage the FP32 tile in shared memory and send each row as
-    # one bulk copy (an L2 reduction in place), for c = out or no c, N % 4 == 0, BLOCK_M <= 128
-    staged_store: int = STAGED_NONE
 
     @property
     def num_threads(self) -> int:
@@ -151,29 +134,30 @@ class Sm90Config1d1d:
     def smem(self) -> int:
         """Dynamic shared memory of this config, bytes (independent of K: the scales travel with
         their stage)."""
-        return smem_bytes(self.block_m, self.block_n, self.num_stages, self.staged_store)
+        return smem_bytes(self.block_m, self.block_n, self.num_stages)
 
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else "")
-                + {STAGED_NONE: "", STAGED_TILE: " staged-tile",
-                   STAGED_IN_STAGES: " staged-in-stages"}.get(self.staged_store, " staged=?"))
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
-def tile_cost(block_m: int, block_n: int, two_accum: bool = False) -> float:
+def tile_cost(block_m: int, block_n: int, two_accum: bool = False,
+              num_stages: int = FULL_RING_STAGES) -> float:
     """Modelled time of one tile per unit of K: max(MMA, loads), in FLOP units. Up to 128 wide
     the tensor-core rate and the load weight are the 1D2D family's measured model
     (sm90_fp8_gemm_1d2d: one math warpgroup at 0.4 of two, N in steps of 32); a wider tile costs
-    the 128-wide one x (ceil(BLOCK_N / 32) + KBLOCK_FIXED_STEPS) / (4 + KBLOCK_FIXED_STEPS), as
-    measured on these kernels. With one accumulator the promotion is not overlapped
-    (SERIAL_PROMOTION_EFFICIENCY, charged where PICK_TWO_ACCUM offers the two-accumulator kernel
-    beside it)."""
+    the 128-wide one x (BLOCK_N / 32 + KBLOCK_FIXED_STEPS) / (4 + KBLOCK_FIXED_STEPS), as
+    measured on these kernels, and SHALLOW_RING_COST more with fewer than FULL_RING_STAGES
+    stages. With one accumulator the promotion is not overlapped (SERIAL_PROMOTION_EFFICIENCY,
+    charged where PICK_TWO_ACCUM offers the two-accumulator kernel beside it)."""
     narrow = min(block_n, 128)
     mma = 2 * block_m * narrow / mma_efficiency(block_m, narrow)
     if block_n > 128:
-        mma *= (ceil_div(block_n, 32) + KBLOCK_FIXED_STEPS) / (128 // 32 + KBLOCK_FIXED_STEPS)
+        mma *= (block_n / 32 + KBLOCK_FIXED_STEPS) / (128 // 32 + KBLOCK_FIXED_STEPS)
+        if num_stages < FULL_RING_STAGES:
+            mma *= SHALLOW_RING_COST
     if PICK_TWO_ACCUM and not two_accum:
         mma /= SERIAL_PROMOTION_EFFICIENCY
     return max(mma, LOAD_WEIGHT * (block_m + block_n))
@@ -214,7 +198,7 @@ def candidate_tiles(m: int, n: int, facts: DeviceFacts, groups: int = 1,
             # The two-accumulator kernel where it fits registers and has three stages.
             two = PICK_TWO_ACCUM and bn <= TWO_ACCUM_MAX_BLOCK_N[bm] and stages >= 3
             # Rounded, so that tiles the model prices alike tie exactly and the tie-breaks decide.
-            cost = round(waves * tile_cost(bm, bn, two), 6)
+            cost = round(waves * tile_cost(bm, bn, two, stages), 6)
             out.append(Candidate(bm, bn, stages, tiles, waves, last, cost, two))
     return out
 
@@ -250,7 +234,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {int(cfg.staged_store)}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}>")
     return source, name
 
 
@@ -290,23 +274,6 @@ def pack_key(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
             0 if c is None else c.data_ptr(), 0 if ks is None else ks.data_ptr(), sa.shape[1])
 
 
-def _check_staged(cfg: Sm90Config1d1d, n: int) -> None:
-    """ValueError unless the kernel can build `cfg`'s epilogue for N = n."""
-    mode = cfg.staged_store
-    if mode == STAGED_NONE:
-        return
-    if mode not in (STAGED_TILE, STAGED_IN_STAGES):
-        raise ValueError(f"staged_store is 0, 1 or 2, got {mode!r}")
-    if cfg.block_m > 128 or n % 4:
-        raise ValueError(f"staged_store takes BLOCK_M <= 128 and N % 4 == 0 (whole 16-byte "
-                         f"bulk copies), got BLOCK_M = {cfg.block_m}, N = {n}")
-    held = held_stages(cfg.block_m, cfg.block_n)
-    if mode == STAGED_IN_STAGES and (cfg.two_accum or cfg.num_stages < held + 2):
-        raise ValueError(f"staged_store=2 takes one accumulator and at least {held + 2} stages "
-                         f"({held} hold a {cfg.block_m}x{cfg.block_n} tile's rows, two load the "
-                         f"next tile), got two_accum={cfg.two_accum}, {cfg.num_stages} stages")
-
-
 class Sm90Plan1d1d:
     """Everything fixed for one (problem, device, config): kernel, launch config, and the
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
@@ -319,7 +286,6 @@ class Sm90Plan1d1d:
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.k_grouped = problem.kind is GemmKind.K_GROUPED
-        _check_staged(cfg, problem.n)
         a_e5m2 = problem.a_dtype == torch.float8_e5m2
         self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped, a_e5m2),
                                 (str(INCLUDE_DIR),))
@@ -372,18 +338,11 @@ class Sm90Plan1d1d:
                     k_groups_on_blocks(b, cols, sa.shape[1]))
         else:
             a, b = _tma_rows(a), _tma_rows(b)
-        dst, staged = out, self.cfg.staged_store
-        in_place = staged and c is not None and c.data_ptr() == out.data_ptr()
-        if staged and c is not None and not in_place:
-            raise ValueError("staged_store takes c = out (accumulated in place) or no c, got a "
-                             "separate c")
-        # NOTE: the epilogue stores two floats at once (8 bytes; the staged one copies rows of
-        # 16-byte units); another offset goes through a copy (slow but correct, never an
-        # error). c is read with 4-byte loads.
-        if out.data_ptr() % (16 if staged else 8):
+        dst = out
+        # NOTE: the epilogue stores two floats at once (8 bytes); a view at an odd float offset
+        # goes through a copy (slow but correct, never an error). c is read with 4-byte loads.
+        if out.data_ptr() % 8:
             dst = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            if in_place:
-                c = dst.copy_(out)
         key = pack_key(a, sa, b, sb, dst, c, ks)
         pack = self.packs.get(key)
         if pack is None:

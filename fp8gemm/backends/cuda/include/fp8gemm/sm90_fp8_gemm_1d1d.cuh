@@ -25,21 +25,12 @@
 
 namespace fp8gemm {
 
-// kStaged, the epilogue: 0 per-thread stores (L2 reductions in place); 1 the FP32 tile staged in
-// shared memory of its own, then one bulk copy per row; 2 the same, staged in the stages of the
-// tile's last k-blocks (kHeldStages of them), which are released a k-block into the next tile.
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages, uint32_t kStaged>
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
 struct Sm90Fp8Gemm1d1dLayout {
   static constexpr uint32_t BLOCK_K = 128;
   static constexpr uint32_t kNumMathThreads = BLOCK_M == 64 ? 128 : 256;
   static constexpr uint32_t WAVE_M = kNumMathThreads / 128 * 64;  // rows of one wgmma wave
   static constexpr uint32_t kNumWaves = BLOCK_M / WAVE_M;
-  // The staged tile: the FP32 sums row by row, rows kStagedPitch floats apart. A warp's store of
-  // one 8-column group covers 8 rows x 32 bytes; a pitch that is an odd multiple of 8 floats puts
-  // those rows on disjoint banks (two wavefronts for 256 bytes, the least there is).
-  static constexpr uint32_t kStagedPitch = BLOCK_N % 16 == 0 ? BLOCK_N + 8 : BLOCK_N;
-  static constexpr uint32_t SMEM_D =
-      kStaged == 1 ? ceil_div(BLOCK_M * kStagedPitch * 4, 1024u) * 1024 : 0;
   // NOTE: TMA writes shared memory at 128-byte aligned addresses: a stage's scales take a
   // multiple of 32 floats.
   static constexpr uint32_t kSaStage = ceil_div(BLOCK_M, 32u) * 32;  // floats per stage
@@ -51,13 +42,9 @@ struct Sm90Fp8Gemm1d1dLayout {
   static constexpr uint32_t SMEM_SA = kSaStage * 4;
   static constexpr uint32_t SMEM_SB = kSbStage * 4;
   static constexpr uint32_t SMEM_BARRIERS = 2 * kNumStages * 8;
-  // kStaged == 2: a stage takes kRowsA staged rows in its A tile and kRowsB in its B tile.
-  static constexpr uint32_t kRowsA = SMEM_A / (kStagedPitch * 4);
-  static constexpr uint32_t kRowsB = SMEM_B / (kStagedPitch * 4);
-  static constexpr uint32_t kHeldStages = ceil_div(BLOCK_M, kRowsA + kRowsB);
   // 1024 bytes of slack to align the dynamic shared-memory base.
   static constexpr uint32_t kSmemBytes =
-      1024 + SMEM_D + kNumStages * (SMEM_A + SMEM_B + SMEM_SA + SMEM_SB) + SMEM_BARRIERS;
+      1024 + kNumStages * (SMEM_A + SMEM_B + SMEM_SA + SMEM_SB) + SMEM_BARRIERS;
 };
 
 // One output tile and its k-blocks: rows [m0, m0 + BLOCK_M) of group `group`, k-blocks
@@ -144,8 +131,8 @@ __device__ __forceinline__ void promote_groups(float (&fin)[kNumAccum], float (&
 }
 
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2, uint32_t kStaged>
-__global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages, kStaged>::kNumMathThreads + 128, 1)
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
+__global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
                           const __grid_constant__ TmaDescriptor tmap_a,
@@ -153,7 +140,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
                           const __grid_constant__ TmaDescriptor tmap_sa,
                           const __grid_constant__ TmaDescriptor tmap_sb) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Layout = Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages, kStaged>;
+  using Layout = Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>;
   constexpr uint32_t BLOCK_K = Layout::BLOCK_K;
   constexpr uint32_t WGMMA_M = 64;
   constexpr uint32_t kNumMathThreads = Layout::kNumMathThreads;
@@ -173,13 +160,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
                 "one or two math warpgroups of 64 rows each, in one or two waves");
   static_assert(!kTwoAccum || kNumWaves == 1, "two accumulators take one wave of rows");
-  static_assert(kStaged <= 2, "epilogues 0, 1, 2");
-  static_assert(kStaged == 0 || kNumWaves == 1, "the staged tile holds one wave of rows");
-  static_assert(kStaged == 0 || SHAPE_N % 4 == 0,
-                "bulk stores move whole 16-byte units: rows of N % 4 == 0 floats");
-  static_assert(kStaged != 2 || !kTwoAccum, "the held stages follow the one-accumulator loop");
-  static_assert(kStaged != 2 || kNumStages >= Layout::kHeldStages + 2,
-                "the next tile's first k-blocks load while the staged rows hold their stages");
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
   static_assert(kNumStages >= 2, "at least double buffering");
@@ -191,14 +171,11 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   uint32_t dyn_smem;
   asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
   if (dyn_smem < Layout::kSmemBytes) asm volatile("trap;");
-  // The staged epilogue writes out or adds to it in place: a separate c is the other epilogue's.
-  if (kStaged != 0 && c != nullptr && c != out) asm volatile("trap;");
 
   // --- shared-memory carve-up -------------------------------------------------------------------
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  float* smem_d = reinterpret_cast<float*>(smem);  // (kStaged == 1)
-  uint8_t* smem_a = smem + Layout::SMEM_D;
+  uint8_t* smem_a = smem;
   uint8_t* smem_b = smem_a + kNumStages * Layout::SMEM_A;
   float* smem_sa = reinterpret_cast<float*>(smem_b + kNumStages * Layout::SMEM_B);
   float* smem_sb = smem_sa + kNumStages * Layout::kSaStage;
@@ -283,9 +260,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
     const bool in_place = c == out;
-    // kStaged == 2: the kHeldStages stages before ring position held_end hold the staged rows of
-    // the last staged tile until this thread's bulk copies have read them (held != 0).
-    uint32_t held = 0, held_end = 0;
 
     while (scheduler.next(tile)) {
       const uint32_t row0 = static_cast<uint32_t>(tile.m0) + r0;
@@ -319,16 +293,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         if (++stage == kNumStages) stage = 0, phase ^= 1;
         return s;
       };
-      auto release_held = [&]() {
-        if (held == 0) return;
-        tma_store_wait_read();
-        __syncwarp();
-        for (uint32_t j = 0; j < held; ++j)
-          release((held_end + kNumStages - held + j) % kNumStages);
-        held = 0;
-      };
-      // kStaged == 2: the tile's last kHeldStages k-blocks keep their stages for its staged rows.
-      const bool stage_in_ring = kStaged == 2 && tile.num_kb >= Layout::kHeldStages;
 
       uint32_t i = 0;
       if constexpr (kTwoAccum) {
@@ -384,67 +348,15 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
           }
           issue(acc, s, w);
-          if (kStaged == 2 && i == 0) release_held();  // (while the first wgmma runs)
           wgmma_wait<0>();
-          if (w + 1 == kNumWaves && !(stage_in_ring && i + Layout::kHeldStages >= tile.num_kb))
-            release(s);
+          if (w + 1 == kNumWaves) release(s);
           promote_groups(final_acc[w], acc, sa0, sa1, sb);
         }
       }
 
-      if (kStaged == 1 || stage_in_ring) {
-        // --- epilogue: the FP32 sums through shared memory, one bulk copy per row --------------
-        // NOTE: each row of the tile goes out as one cp.async.bulk (cp.reduce.async.bulk .add in
-        // place: the L2 adds it to c), which runs on while the math warps start the next tile;
-        // the per-thread stores and reductions of the other epilogue hold the warps until the
-        // memory system takes every one. kStaged == 1: the staged tile is free again once this
-        // thread's bulk copies of the previous tile have read it. kStaged == 2: the rows go to
-        // the stages of the tile's last k-blocks, once every math warp is done with them.
-        if constexpr (kStaged == 1) tma_store_wait_read();
-        named_barrier_sync(1, kNumMathThreads);
-        const uint32_t first_held = (stage + kNumStages - Layout::kHeldStages) % kNumStages;
-        auto staged_row = [&](uint32_t r) -> float* {
-          if constexpr (kStaged == 1) {
-            return smem_d + r * Layout::kStagedPitch;
-          } else {
-            constexpr uint32_t kRows = Layout::kRowsA + Layout::kRowsB;
-            const uint32_t st = (first_held + r / kRows) % kNumStages, q = r % kRows;
-            float* a_rows = reinterpret_cast<float*>(smem_a + st * Layout::SMEM_A);
-            float* b_rows = reinterpret_cast<float*>(smem_b + st * Layout::SMEM_B);
-            return q < Layout::kRowsA ? a_rows + q * Layout::kStagedPitch
-                                      : b_rows + (q - Layout::kRowsA) * Layout::kStagedPitch;
-          }
-        };
-#pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-          float* dst = staged_row(r0 + h * 8) + col_in_group;
-#pragma unroll
-          for (uint32_t g = 0; g < kNumColGroups; ++g)
-            st_shared_v2_f32(dst + g * 8, final_acc[0][4 * g + 2 * h],
-                             final_acc[0][4 * g + 2 * h + 1]);
-        }
-        fence_proxy_async_smem();
-        named_barrier_sync(1, kNumMathThreads);
-        // Lane l < 16 of math warp w copies row 16 w + l (the math warps hold BLOCK_M / 16).
-        const uint32_t r = threadIdx.x / 32 * 16 + lane;
-        const uint32_t row = static_cast<uint32_t>(tile.m0) + r;
-        if (lane < 16 && row < shape_m) {
-          const uint32_t n0 = tile.n_block * BLOCK_N;
-          const uint32_t bytes = min(BLOCK_N, SHAPE_N - n0) * 4;
-          float* dst = out + group_off + static_cast<uint64_t>(row) * SHAPE_N + n0;
-          if (in_place)
-            bulk_reduce_add_f32(dst, staged_row(r), bytes);
-          else
-            bulk_store(dst, staged_row(r), bytes);
-          tma_store_commit();
-        }
-        if constexpr (kStaged == 2) held = Layout::kHeldStages, held_end = stage;
-        continue;
-      }
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
       // NOTE: a warp's store writes 8 rows x 32 contiguous bytes, whole 32-byte sectors; staging
-      // an FP32 tile in shared memory of its own (kStaged == 1) costs BLOCK_M * BLOCK_N * 4 bytes
-      // of stages.
+      // an FP32 tile in shared memory would cost BLOCK_M * BLOCK_N * 4 bytes of pipeline stages.
       // In place (c == out) the sums are added by L2 reductions (red, fire and forget); a
       // separate c is loaded into the accumulator registers, dead by now, and added. Either way
       // c's tile was prefetched into L2 during the k-loop. On the H200 the in-place weight
@@ -509,8 +421,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         }
       }
     }
-    // Shared memory must outlive the bulk copies that read it.
-    if constexpr (kStaged != 0) tma_store_wait_all();
   }
 #else
   // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg).

@@ -221,23 +221,6 @@ __device__ __forceinline__ void tma_store_2d(const TmaDescriptor* desc, const vo
                : "memory");
 }
 
-// Bulk copies of `bytes` (a multiple of 16; both addresses on 16 bytes) from shared to global
-// memory, tracked by the issuing thread's bulk groups (tma_store_commit / tma_store_wait_*):
-// a plain copy, and one that adds the floats to those in global memory (in L2).
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                   reinterpret_cast<uint64_t>(dst)),
-               "r"(smem_addr(src)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
-                   reinterpret_cast<uint64_t>(dst)),
-               "r"(smem_addr(src)), "r"(bytes)
-               : "memory");
-}
-
 __device__ __forceinline__ void tma_store_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
@@ -347,10 +330,6 @@ __device__ __forceinline__ U32x4 ld_shared_v4(const void* ptr) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "r"(smem_addr(ptr)));
   return v;
-}
-
-__device__ __forceinline__ void st_shared_v2_f32(void* ptr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr(ptr)), "f"(a), "f"(b) : "memory");
 }
 
 __device__ __forceinline__ void st_global_v2_f32(float* ptr, float a, float b) {
