@@ -119,9 +119,9 @@ def test_wgrad_table(monkeypatch):
     """The tiles chosen for the suite's weight gradients on the H200. One accumulator: 128x160,
     whose k-blocks spread their fixed part over 160 columns (KBLOCK_FIXED_STEPS); 128x152 at
     7168x2048 (six waves either way, less work per tile); 128x176 at N = 512 (three n-blocks
-    instead of four, though its ring is shallower: SHALLOW_RING_COST). Offered two accumulators (at most 136 wide), the
-    model takes 128x136 with two where that saves a wave (2112x7168: seven against eight;
-    7168x16384, 4096x7168) and 128x128 with two elsewhere."""
+    instead of four, though its ring is shallower: SHALLOW_RING_COST). Offered two accumulators
+    (at most 136 wide), the model takes 128x136 with two where that saves a wave (2112x7168:
+    seven against eight; 7168x16384, 4096x7168) and 128x128 with two elsewhere."""
     expect = {(2112, 7168): (128, 160), (24576, 1536): (128, 160), (32768, 512): (128, 176),
               (7168, 16384): (128, 160), (4096, 7168): (128, 160), (7168, 2048): (128, 152)}
     for pick in (False, True):
