@@ -103,14 +103,16 @@ def _checked_fp8_weight(what: str, name: str, q: torch.Tensor, scale, shape: tup
     return q, scale
 
 
-def _stored_form(module, what: str, name: str, w, scale, shape: tuple):
-    """What `module` keeps of weight `name` given `w` (and, for an fp8 `w`, its block scales
-    `scale`): (weight, scale) for an inference module, which stores fp8 per 128x128 block (a
-    floating-point `w` quantised here, an fp8 one as it is); (weight, None) for a trainable one,
-    whose master weight takes a floating-point `w` as it is and an fp8 one dequantised."""
+def _stored_form(module, what: str, name: str, w, scale):
+    """What `module` keeps of weight `name` (of its parameter's or buffer's shape) given `w`
+    (and, for an fp8 `w`, its block scales `scale`): (weight, scale) for an inference module,
+    which stores fp8 per 128x128 block (a floating-point `w` quantised here, an fp8 one as it
+    is); (weight, None) for a trainable one, whose master weight takes a floating-point `w` as
+    it is and an fp8 one dequantised."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         raise TypeError(f"{what}: {name} must be a floating-point tensor, got "
                         f"{getattr(w, 'dtype', type(w).__name__)}")
+    shape = tuple(getattr(module, name).shape)
     if w.dtype in FP8_DTYPES:
         q, s = _checked_fp8_weight(what, name, w, scale, shape,
                                    None if module.trainable else module.fmt)
@@ -130,8 +132,7 @@ def _stored_form(module, what: str, name: str, w, scale, shape: tuple):
     return quant.quantize_per_block(w, module.fmt, pow2_scales=module.pow2_scales)
 
 
-def _load_checkpoint_weight(module, what: str, state_dict: dict, prefix: str, name: str,
-                            shape: tuple) -> None:
+def _load_checkpoint_weight(module, what: str, state_dict: dict, prefix: str, name: str) -> None:
     """Put weight `name` of a state dict into the form `module` keeps (`_stored_form`), in
     place, before nn.Module loads it, which would cast across fp8 and float with no scale.
     Block scales named `<name>_scale_inv` (DeepSeek-V3's name) are taken as `<name>_scale`."""
@@ -142,7 +143,7 @@ def _load_checkpoint_weight(module, what: str, state_dict: dict, prefix: str, na
         state_dict[skey] = state_dict.pop(ikey)
     if key not in state_dict:
         return
-    w, s = _stored_form(module, what, name, state_dict[key], state_dict.pop(skey, None), shape)
+    w, s = _stored_form(module, what, name, state_dict[key], state_dict.pop(skey, None))
     state_dict[key] = w
     if s is not None:
         state_dict[skey] = s
@@ -345,8 +346,7 @@ class Fp8Linear(nn.Module):
         ceil(in/128)] holds its block scales (real value = weight * scale; one scale for the
         whole tensor is taken by every block), and the pair is stored as it is, in the layer's
         `fmt` (a trainable layer dequantises it into its master weight)."""
-        w, s = _stored_form(self, self._what(), "weight", weight, weight_scale,
-                            (self.out_features, self.in_features))
+        w, s = _stored_form(self, self._what(), "weight", weight, weight_scale)
         self.weight.copy_(w)
         if s is not None:
             self.weight_scale.copy_(s)
@@ -359,8 +359,7 @@ class Fp8Linear(nn.Module):
             self.bias.copy_(bias)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _load_checkpoint_weight(self, self._what(), state_dict, prefix, "weight",
-                                (self.out_features, self.in_features))
+        _load_checkpoint_weight(self, self._what(), state_dict, prefix, "weight")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -636,22 +635,19 @@ class Fp8MoE(nn.Module):
         quantised per 128x128 block (a trainable module copies them into its master weights);
         fp8 ones are pre-quantised and come with their block scales `w13_scale` [G,
         ceil(2I/128), ceil(H/128)] and `w2_scale` [G, ceil(H/128), ceil(I/128)] (or one per
-        expert, [G]), stored as they are (a trainable module dequantises them). A checkpoint's per-expert W1 and W3
-        (with their scales) stack along the rows into w13 when I % 128 == 0; otherwise a
-        128-row block of w13 would straddle the two, so dequantise them first
-        (fp8gemm.dequantize_per_block)."""
-        g, h, i = self.num_experts, self.hidden, self.intermediate
-        for name, w, scale, shape in (("w13", w13, w13_scale, (g, 2 * i, h)),
-                                      ("w2", w2, w2_scale, (g, h, i))):
-            w, s = _stored_form(self, "Fp8MoE", name, w, scale, shape)
+        expert, [G]), stored as they are (a trainable module dequantises them). A checkpoint's
+        per-expert W1 and W3 (with their scales) stack along the rows into w13 when
+        I % 128 == 0; otherwise a 128-row block of w13 would straddle the two, so dequantise
+        them first (fp8gemm.dequantize_per_block)."""
+        for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+            w, s = _stored_form(self, "Fp8MoE", name, w, scale)
             getattr(self, name).copy_(w)
             if s is not None:
                 getattr(self, f"{name}_scale").copy_(s)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        g, h, i = self.num_experts, self.hidden, self.intermediate
-        _load_checkpoint_weight(self, "Fp8MoE", state_dict, prefix, "w13", (g, 2 * i, h))
-        _load_checkpoint_weight(self, "Fp8MoE", state_dict, prefix, "w2", (g, h, i))
+        _load_checkpoint_weight(self, "Fp8MoE", state_dict, prefix, "w13")
+        _load_checkpoint_weight(self, "Fp8MoE", state_dict, prefix, "w2")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def refresh_weights(self) -> None:
