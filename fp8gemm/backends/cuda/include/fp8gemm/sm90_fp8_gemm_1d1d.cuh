@@ -47,63 +47,6 @@ struct Sm90Fp8Gemm1d1dLayout {
       1024 + kNumStages * (SMEM_A + SMEM_B + SMEM_SA + SMEM_SB) + SMEM_BARRIERS;
 };
 
-// One output tile and its k-blocks: rows [m0, m0 + BLOCK_M) of group `group`, k-blocks
-// [kb0, kb0 + num_kb) of A, B and their scales.
-struct Tile1d1d {
-  int32_t m0;
-  uint32_t n_block, group, kb0, num_kb;
-};
-
-// The tiles of a CTA. Dense: the dense TileScheduler's walk, every tile with all of K.
-// K-grouped: tile t of the sequence is tile t % (tiles per group) of group t / (tiles per group),
-// each group banded as a dense GEMM; the walk keeps the running K and k-block offsets of the
-// groups it has passed (CTAs visit tiles in increasing order), reading ks as it goes.
-template <bool kKGrouped, uint32_t BLOCK_M, uint32_t kNumNBlocks, uint32_t kBandSize>
-struct Scheduler1d1d {
-  using Dense = TileScheduler<kKindDense, BLOCK_M, kNumNBlocks, kBandSize, false>;
-  Dense dense;
-  const int32_t* ks;
-  uint32_t num_groups, num_m_blocks, shape_k, next_tile;
-  uint32_t group, k_off, kb_off;  // the first group not passed yet, and where it starts
-
-  __device__ __forceinline__ Scheduler1d1d(uint32_t shape_m, uint32_t shape_k_, const int32_t* ks_,
-                                           uint32_t num_groups_)
-      : dense(shape_m, nullptr, 1), ks(ks_), num_groups(num_groups_),
-        num_m_blocks(ceil_div(shape_m, BLOCK_M)), shape_k(shape_k_), next_tile(blockIdx.x),
-        group(0), k_off(0), kb_off(0) {}
-
-  // K of group g starting at column k_off: ks[g] clamped to [0, shape_k - k_off].
-  __device__ __forceinline__ uint32_t group_k(uint32_t g) const {
-    const int32_t k = __ldg(ks + g);
-    const uint32_t left = shape_k - k_off;
-    return k <= 0 ? 0u : (static_cast<uint32_t>(k) < left ? static_cast<uint32_t>(k) : left);
-  }
-
-  __device__ __forceinline__ bool next(Tile1d1d& t) {
-    if constexpr (!kKGrouped) {
-      Tile tile;
-      if (!dense.next(tile)) return false;
-      t.m0 = tile.m0, t.n_block = tile.n_block, t.group = 0, t.kb0 = 0;
-      t.num_kb = ceil_div(shape_k, 128u);
-      return true;
-    } else {
-      const uint32_t tiles_per_group = num_m_blocks * kNumNBlocks;
-      if (next_tile >= tiles_per_group * num_groups) return false;
-      const uint32_t g = next_tile / tiles_per_group;
-      for (; group < g; ++group) {
-        const uint32_t k = group_k(group);
-        k_off += k, kb_off += ceil_div(k, 128u);
-      }
-      uint32_t m_block, n_block;
-      Dense::tile_coords(next_tile - g * tiles_per_group, num_m_blocks, m_block, n_block);
-      next_tile += gridDim.x;
-      t.m0 = static_cast<int32_t>(m_block * BLOCK_M), t.n_block = n_block, t.group = g;
-      t.kb0 = kb_off, t.num_kb = ceil_div(group_k(g), 128u);
-      return true;
-    }
-  }
-};
-
 // Two floats of adjacent columns, one 8-byte shared-memory load.
 struct alignas(8) Float2 {
   float x, y;

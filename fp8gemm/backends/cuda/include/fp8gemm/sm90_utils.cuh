@@ -30,6 +30,19 @@ __device__ __forceinline__ uint32_t lane_idx() {
   return lane;
 }
 
+// Warp-wide minimum / maximum (every lane of the warp calls it).
+__device__ __forceinline__ int32_t warp_min_s32(int32_t v) {
+  int32_t r;
+  asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+__device__ __forceinline__ int32_t warp_max_s32(int32_t v) {
+  int32_t r;
+  asm volatile("redux.sync.max.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+  return r;
+}
+
 // --- mbarriers -------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
