@@ -425,6 +425,7 @@ FORCED_CONFIGS = [
     (1024, 2048, 1536, 256, 112, 2, False, False),   # BLOCK_M 256 with multicast of B
     (768, 1536, 1024, 256, 64, 2, True, False),     # BLOCK_M 256 with multicast of A, 64 wide
     (130, 576, 16384, 256, 96, 1, False, False),    # BLOCK_M 256, long K
+    (1000, 7168, 2112, 256, 128, 1, False, False),  # one accumulator, partial last k-block
     # One accumulator, the tile's B-scale split a constant per n0 % 128 (96, 160, 192 wide).
     (1000, 2112, 7168, 128, 192, 1, False, False),  # 192 wide: splits 0 and 64, M tail
     (300, 1000, 1040, 128, 192, 2, True, False),    # with multicast of A, N and K tails
@@ -434,6 +435,8 @@ FORCED_CONFIGS = [
     (4096, 2112, 7168, 128, 128, 1, False, True),   # 56 k-blocks: 7 chunks, no tail
     (300, 576, 320, 128, 128, 1, False, True),      # 3 k-blocks (tail only), K and M tails
     (1000, 2112, 1152, 128, 112, 1, False, True),   # 9 k-blocks: a chunk and a tail of one
+    (600, 2048, 2016, 128, 128, 1, False, True),    # 16 k-blocks, the last partial: 2 chunks
+    (2048, 7168, 2112, 128, 128, 1, False, True),   # 17: the partial last one a chunk alone
     (37, 1000, 1040, 128, 128, 1, False, True),     # M < 64, K tail of 16
     (130, 576, 16384, 128, 96, 1, False, True),     # long K
     (512, 2048, 1024, 128, 128, 2, False, True),    # with multicast of B
