@@ -239,7 +239,8 @@ def test_suite_kernels_have_no_spills(compiled_suite, tmp_path):
         log = compiled.log
         stack = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-        assert not re.search(r"C751[45]", log), f"{shape} {cfg}: ptxas serialised the wgmma\n{log}"
+        assert not re.search(r"C751[459]", log), \
+            f"{shape} {cfg}: ptxas serialised or fenced the wgmma\n{log}"
         if stack and spills:
             assert max(stack) == 0 and max(spills) == 0, f"{shape} {cfg}: spills or stack\n{log}"
             continue
@@ -297,7 +298,7 @@ def test_two_accum_compiles_clean_over_its_k_range(bm, bn, ks, tmp_path, monkeyp
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
         if not spills:
             pytest.skip("this compiler's log has no ptxas report")
-        assert max(spills) == 0 and not re.search(r"C751[45]", log), f"{cfg}\n{log}"
+        assert max(spills) == 0 and not re.search(r"C751[459]", log), f"{cfg}\n{log}"
 
 
 def test_generated_wgmma_header_is_current():
