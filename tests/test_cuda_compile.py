@@ -564,12 +564,17 @@ def test_skewed_grouped_tiles_as_measured():
 
 
 def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
+    """Every grouped kernel above and every pick of the bench's moe-skewed suite (wider tiles:
+    128x192 over 16 and 32 experts) compiles clean."""
+    from fp8gemm.bench.impls import case_problem
+    from fp8gemm.bench.suites import suite_cases
+
     compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    skewed = [case_problem(c) for c in suite_cases("moe-skewed")]
     seen = set()
-    for case in GROUPED_SUITE:
-        p = grouped_problem(*case)
+    for case, p in [(c, grouped_problem(*c)) for c in GROUPED_SUITE] + [(p, p) for p in skewed]:
         cfg = g.GROUPED.select_config(p, H200)
         if (p.kind, p.n, p.k, cfg) in seen:
             continue

@@ -315,6 +315,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
       // (pairs: the tile's B comes through the leader's multicast, else each CTA loads its own)
       const bool multicast_b = kNumTMAMulticast > 1 && !kIsMulticastOnA && (!kPairs || t.multicast);
+      // NOTE: not unrolled: the producer has 40 registers, and ptxas's unrolled copies of this
+      // loop (at 16 k-blocks) made it spill the contiguous scheduler's state to local memory.
+      // The thread mostly waits for a free stage, so a branch per k-block costs nothing.
+#pragma unroll 1
       for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
