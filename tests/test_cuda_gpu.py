@@ -25,8 +25,8 @@ DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168
 DSV3_SHAPES = [(m, n, k) for m in (64, 128, 4096) for (n, k) in DSV3_NK]
 AWKWARD_SHAPES = [(1, 576, 320), (37, 576, 320), (130, 576, 320), (37, 200, 336), (1, 2112, 7168),
                   (257, 1000, 4096), (4000, 7168, 2048), (600, 576, 16384),
-                  # partial last k-blocks of 32, 64, 96 columns (boxes shifted back inside the
-                  # rows), of 80 (zero-filled box), and a single partial block
+                  # partial last k-blocks (zero-filled past K) of 32, 64, 96 and 80 columns,
+                  # and a single partial block
                   (300, 576, 160), (1000, 7168, 2112), (129, 1000, 1248), (300, 576, 848),
                   (64, 576, 96)]
 

@@ -157,18 +157,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   constexpr uint32_t kNumKBlocks = Layout::kNumKBlocks;
   constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
   constexpr uint32_t kNumSbRows = ceil_div(SHAPE_N, 128u);
-  // NOTE: zero-filled K beyond SHAPE_K adds nothing; skip the wgmma k-steps that only see it.
-  constexpr uint32_t kLastKSteps = ceil_div(SHAPE_K - (kNumKBlocks - 1) * BLOCK_K, WGMMA_K);
-  // NOTE: TMA's zero fill past the end of a row is slow: at K = 2112 (16.5 k-blocks) the tiles
-  // ran 21 % longer than at K = 2176 (17 whole ones) on the H200. Where the partial last k-block
-  // is whole k-steps (K % 32 == 0) and a whole block precedes it, its boxes start at K - BLOCK_K
-  // instead, inside the rows, and the wgmma runs only the box's last kLastKSteps k-steps: the
-  // columns before them are the previous k-block's, already summed.
-  constexpr bool kShiftLastKBlock = SHAPE_K % BLOCK_K != 0 && SHAPE_K % WGMMA_K == 0 &&
-                                    SHAPE_K > BLOCK_K;
+  // NOTE: TMA zero-fills the columns past SHAPE_K of the last k-block, so every k-block runs
+  // the same four k-steps: the products of the zeros add nothing. (A shorter sequence for the
+  // last k-block is a second wgmma sequence in the loop; chosen at run time, ptxas fenced every
+  // k-block's wgmma for it, C7519.)
   constexpr uint32_t kNumAccum = WgmmaFp8<BLOCK_N>::kNumAccum;
   constexpr uint32_t kNumKSteps = BLOCK_K / WGMMA_K;
-  constexpr bool kPartialLastKBlock = kLastKSteps != kNumKSteps;
   // NOTE: kTwoAccum: two wgmma accumulators per thread; the wgmma of k-block kb + 1 is issued
   // before the wait for kb, so each warpgroup keeps one wgmma group queued while it promotes, and
   // a tile's epilogue runs under the next tile's first wgmma group. With one math warpgroup
@@ -323,8 +317,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, tx_bytes);
-        const int32_t k0 = static_cast<int32_t>(
-            kShiftLastKBlock && kb + 1 == kNumKBlocks ? SHAPE_K - BLOCK_K : kb * BLOCK_K);
+        const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
         uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
         uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
         // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
@@ -524,31 +517,17 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
       const uint32_t num_first = (128 - n0 % 128) / 8;
 
-      // The wgmma of a k-block (in the current stage) for wave w into acc_, committed as one group;
-      // tail: the partial last k-block.
-      // NOTE: tail is a constant at every (inlined) call, so the branch below folds: with two
-      // wgmma sequences of different lengths under a run-time test, ptxas injects a
-      // warpgroup.arrive and a dummy wgmma with its wait into every k-block (C7519).
-      auto issue = [&](float (&acc_)[kNumAccum], uint32_t w, bool tail) {
+      // The wgmma of a k-block (in the current stage) for wave w into acc_, committed as one group.
+      auto issue = [&](float (&acc_)[kNumAccum], uint32_t w) {
         const uint64_t desc_a = desc_a0 + (stage * Layout::SMEM_A + w * WAVE_M * BLOCK_K) / 16;
         const uint64_t desc_b = desc_b0 + stage * (Layout::SMEM_B / 16);
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
         wgmma_fence();
         // NOTE: each k-step of 32 bytes moves the descriptor's start address by 32 >> 4 = 2.
-        // Zero-filled K beyond SHAPE_K adds nothing: the last k-block skips the k-steps that only
-        // see it (two unrolled loops: a run-time bound per wgmma would split the group).
-        if (!tail) {
 #pragma unroll
-          for (uint32_t k = 0; k < kNumKSteps; ++k)
-            WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
-        } else {
-          // (with kShiftLastKBlock the tail is the box's last k-steps, else its first)
-          constexpr uint32_t k_first = kShiftLastKBlock ? kNumKSteps - kLastKSteps : 0;
-#pragma unroll
-          for (uint32_t k = k_first; k < k_first + kLastKSteps; ++k)
-            WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > k_first);
-        }
+        for (uint32_t k = 0; k < kNumKSteps; ++k)
+          WgmmaFp8<BLOCK_N, kAE5M2>::mma(desc_a + 2 * k, desc_b + 2 * k, acc_, k > 0);
         wgmma_commit();
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
@@ -597,26 +576,25 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         float acc1[kNumAccum];
         float sa0[2], sa1[2], sb0[2], sb1[2];
         uint32_t held[2];  // stage of the k-block in flight in acc / acc1
-        auto start = [&](float (&acc_)[kNumAccum], uint32_t slot, uint32_t kb, bool tail) {
+        auto start = [&](float (&acc_)[kNumAccum], uint32_t slot, uint32_t kb) {
           mbar_wait(&full_bar[stage], phase);
           sa0[slot] = sa_rows[stage * Layout::kSaStage + sa_off];
           sa1[slot] = sa_rows[stage * Layout::kSaStage + sa_off + 8];
           sb0[slot] = smem_sb[kb];
           sb1[slot] = smem_sb[kNumKBlocks + kb];
-          issue(acc_, 0, tail);
+          issue(acc_, 0);
           held[slot] = stage;
           next_stage();
         };
-        // n and tail are constants at every (inlined) call, so the loop unrolls fully and the
-        // tests fold; tail: the chunk's last k-block is the partial one.
-        auto chunk = [&](uint32_t n, uint32_t kb0, bool started, bool tail) {
-          if (!started) start(acc, 0, kb0, tail && n == 1);
+        // n is a compile-time constant at every (inlined) call, so the loop unrolls fully.
+        auto chunk = [&](uint32_t n, uint32_t kb0, bool started) {
+          if (!started) start(acc, 0, kb0);
 #pragma unroll
           for (uint32_t j = 0; j < n; ++j) {
             float (&cur)[kNumAccum] = j % 2 == 0 ? acc : acc1;
             float (&nxt)[kNumAccum] = j % 2 == 0 ? acc1 : acc;
             if (j + 1 < n) {
-              start(nxt, (j + 1) % 2, kb0 + j + 1, tail && j + 2 == n);
+              start(nxt, (j + 1) % 2, kb0 + j + 1);
               wgmma_wait<1>();
             } else {
               wgmma_wait<0>();
@@ -628,19 +606,15 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         };
         // NOTE: the tile's first wgmma goes to the tensor cores before the previous tile's
         // epilogue, which then runs under it (the sums are free once the epilogue has read them).
-        start(acc, 0, 0, kPartialLastKBlock && kNumKBlocks == 1);
+        start(acc, 0, 0);
         if (has_prev) epilogue(prev_tile);
         zero_sums();
         constexpr uint32_t kFirst = kNumKBlocks < kKChunk ? kNumKBlocks : kKChunk;
-        chunk(kFirst, 0, true, kPartialLastKBlock && kFirst == kNumKBlocks);
-        // (a partial last k-block always falls in the chunk after the loop)
-        constexpr uint32_t kLoopEnd = kNumKBlocks - (kPartialLastKBlock ? 1 : 0);
-        constexpr uint32_t kRest = kNumKBlocks - kFirst == 0 ? 0
-                                   : kPartialLastKBlock ? (kNumKBlocks - kFirst - 1) % kKChunk + 1
-                                                        : (kNumKBlocks - kFirst) % kKChunk;
+        chunk(kFirst, 0, true);
         uint32_t kb = kFirst;
-        for (; kb + kKChunk <= kLoopEnd; kb += kKChunk) chunk(kKChunk, kb, false, false);
-        if constexpr (kRest != 0) chunk(kRest, kb, false, kPartialLastKBlock);
+        for (; kb + kKChunk <= kNumKBlocks; kb += kKChunk) chunk(kKChunk, kb, false);
+        if constexpr ((kNumKBlocks - kFirst) % kKChunk != 0)
+          chunk((kNumKBlocks - kFirst) % kKChunk, kb, false);
         prev_tile = tile, has_prev = true;
       } else {
         zero_sums();
@@ -648,18 +622,16 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // NOTE: the next k-block's stage is tested (no wait) before this k-block's last
         // promotion, so that where it has landed its wgmma issues right after the promotion,
         // without the barrier's round trip between the two.
-        // (the partial last k-block, where the tile's part has it, runs after the loop)
-        const uint32_t kb_whole = kPartialLastKBlock && kb1 == kNumKBlocks ? kb1 - 1 : kb1;
         auto kloop = [&](auto split) {
           bool ready = false;
-          auto kblock = [&](uint32_t kb, bool tail) {
+          for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
             if (!ready) mbar_wait(&full_bar[stage], phase);
             const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
             for (uint32_t w = 0; w < kNumWaves; ++w) {
               const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
               const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
-              issue(acc, w, tail);
+              issue(acc, w);
               wgmma_wait<0>();
               if (w + 1 == kNumWaves) {
                 release(stage);
@@ -669,9 +641,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               promote_sums<BLOCK_N, decltype(split)::value>(num_first, final_acc[w], acc, sa0, sa1,
                                                             sb0, sb1);
             }
-          };
-          for (uint32_t kb = kb_begin(tile); kb < kb_whole; ++kb) kblock(kb, false);
-          if (kPartialLastKBlock && kb_whole != kb1) kblock(kb_whole, true);
+          }
         };
         // NOTE: with the split a run-time value, ptxas selects and multiplies out each 8-column
         // group's scale (about 100 instructions a k-block at BLOCK_N = 160) and places them
