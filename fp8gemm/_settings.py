@@ -69,6 +69,14 @@ class _Settings:
         return _flag("FP8GEMM_DUMP_SASS")
 
     @property
+    def pdl(self) -> bool:
+        """FP8GEMM_PDL=0: launch the CUDA kernels without programmatic dependent launch. With it
+        (the default) a kernel may start its prologue, and the GEMMs their L2 prefetch of the
+        weights, while the kernel before it in the stream finishes. Read when a kernel's launch
+        configuration is built (a problem's first call)."""
+        return os.environ.get("FP8GEMM_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+
+    @property
     def autotune(self) -> bool:
         """FP8GEMM_AUTOTUNE=1: time candidate configs on first use and store the winner."""
         return _flag("FP8GEMM_AUTOTUNE")

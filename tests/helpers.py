@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -392,6 +393,23 @@ def is_pow2(s: torch.Tensor) -> bool:
     """Every element an exact (positive) power of two."""
     mantissa, _ = torch.frexp(s.double())
     return bool((mantissa == 0.5).all())
+
+
+# Global memory accesses in SASS; L2 prefetches (UTMAPF, CCTL) are not among them.
+_SASS_GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|RED|REDG|ATOM|ATOMG|UTMALDG|UTMASTG|UTMAREDG|UBLKCP|"
+                                 r"UBLKRED|LDGSTS)\b")
+
+
+def assert_waits_before_global_access(sass: str, what: str) -> None:
+    """The kernel waits for the grids it depends on (griddepcontrol.wait: ACQBULK) before any
+    global load or store in code order, and lets its dependents launch (PREEXIT): what a launch
+    with programmatic stream serialization (FP8GEMM_PDL) needs of it."""
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+    wait = next((i for i, line in enumerate(lines) if "ACQBULK" in line), None)
+    assert wait is not None, f"{what}: no griddepcontrol.wait (ACQBULK)"
+    assert any("PREEXIT" in line for line in lines), f"{what}: no launch_dependents (PREEXIT)"
+    early = [line.strip() for line in lines[:wait] if _SASS_GLOBAL_ACCESS.search(line)]
+    assert not early, f"{what}: global access before griddepcontrol.wait: {early[:3]}"
 
 
 def assert_close_diff(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:

@@ -22,8 +22,9 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g2
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import (TENSOR_CORE_FP32_DIFF, a_scales, assert_close_diff, b_scales,
-                     compiler_or_skip, poisoned, rand_fp8, ref_gemm)
+from helpers import (TENSOR_CORE_FP32_DIFF, a_scales, assert_close_diff,
+                     assert_waits_before_global_access, b_scales, compiler_or_skip, poisoned,
+                     rand_fp8, ref_gemm)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -240,6 +241,7 @@ def _assert_clean(compiled, cfg, tool, tmp_path, what):
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
     assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), f"{what}: no QGMMA.64x{cfg.block_n}x32"
     assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory in SASS"
+    assert_waits_before_global_access(sass, what)
     # c == out: the sums go to global memory as L2 reductions, two floats at a time for even N.
     assert re.search(r"REDG\.E\.ADD\.F32", sass), f"{what}: no in-place reduction"
     # Two accumulators: in a chunk of 8 k-blocks, 7 waits leave the next k-block's wgmma in

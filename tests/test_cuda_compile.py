@@ -19,7 +19,8 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
 from fp8gemm.backends.cuda import supports as cuda_supports
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div
-from helpers import FORCED_CONFIGS, SPLIT_K_CONFIGS, TMA_LOAD_WITH_POLICY, compiler_or_skip
+from helpers import (FORCED_CONFIGS, SPLIT_K_CONFIGS, TMA_LOAD_WITH_POLICY,
+                     assert_waits_before_global_access, compiler_or_skip)
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -270,6 +271,7 @@ def test_suite_kernels_use_qgmma_and_no_local_memory(compiled_suite, tmp_path):
         assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), \
             f"{shape} {cfg}: no QGMMA.64x{cfg.block_n}x32 in SASS"
         assert not re.search(r"\b(LDL|STL)\b", sass), f"{shape} {cfg}: local memory in SASS"
+        assert_waits_before_global_access(sass, f"{shape} {cfg}")
         # B of one m-block is loaded with an L2 cache policy (the desc[] operand), unless each
         # B load is multicast to a pair of m-blocks.
         b_shared = cfg.num_multicast > 1 and not cfg.multicast_on_a
@@ -475,6 +477,7 @@ def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
     assert re.search(rf"QGMMA\.64x{cfg.block_n}x32", sass), f"{what}: no QGMMA.64x{cfg.block_n}x32"
     assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory in SASS"
+    assert_waits_before_global_access(sass, what)
     # ptxas serialises every wgmma where it cannot track the groups in flight (C7514 / C7515),
     # or injects a warpgroup.arrive and a dummy wgmma wait where a run-time branch picks between
     # wgmma sequences (C7519).
@@ -482,6 +485,24 @@ def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:
     res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True).stdout
     found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)
     assert len(found) >= 2 and max(map(int, found)) == 0, res
+
+
+def test_pdl_check_catches_a_global_access_before_the_wait():
+    """assert_waits_before_global_access (every kernel's compile test) fails where a load, a
+    TMA load or a store precedes griddepcontrol.wait, and lets L2 prefetches through."""
+    def sass(*ops):
+        return "\n".join(f"        /*{16 * i:04x}*/        {op} ;" for i, op in enumerate(ops))
+
+    assert_waits_before_global_access(sass("UTMAPF.L2.2D [UR4], [UR6]", "ACQBULK", "PREEXIT",
+                                           "LDG.E R2, desc[UR4][R2.64]"), "ok")
+    for early in ("LDG.E R2, desc[UR4][R2.64]", "UTMALDG.2D [UR8], [UR4]",
+                  "STG.E desc[UR4][R4.64], R7", "REDG.E.ADD.F32.FTZ.RN desc[UR4][R2.64], R5"):
+        with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
+            assert_waits_before_global_access(sass(early, "ACQBULK", "PREEXIT"), "bad")
+    with pytest.raises(AssertionError, match="no griddepcontrol.wait"):
+        assert_waits_before_global_access(sass("LDG.E R2, desc[UR4][R2.64]", "PREEXIT"), "bad")
+    with pytest.raises(AssertionError, match="no launch_dependents"):
+        assert_waits_before_global_access(sass("ACQBULK"), "bad")
 
 
 # --- the grouped family ----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import torch
 
 import fp8gemm
 from fp8gemm import quant
-from helpers import FP8_STEP_FRACTION, compiler_or_skip, fp8_steps
+from helpers import (FP8_STEP_FRACTION, assert_waits_before_global_access, compiler_or_skip,
+                     fp8_steps)
 
 cq = pytest.importorskip("fp8gemm.backends.cuda.quant")
 
@@ -34,6 +35,7 @@ def test_every_instance_compiles_clean(tmp_path, monkeypatch):
         sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
         assert f"F2FP.SATFINITE.{fmt.upper()}.F32.PACK_AB" in sass, what
         assert "LDG.E.NA.128" in sass and not re.search(r"\b(LDL|STL)\b", sass), what
+        assert_waits_before_global_access(sass, what)
         res = subprocess.run([tool, "-res-usage", str(path)], capture_output=True,
                              text=True).stdout
         found = re.findall(r"STACK:(\d+)", res) + re.findall(r"LOCAL:(\d+)", res)

@@ -26,8 +26,8 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as dense
 from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, align, ceil_div
-from helpers import (TMA_LOAD_WITH_POLICY, TOL, calc_diff, col_major_tma, compiler_or_skip,
-                     poisoned, rand_fp8, rand_scales, ref_gemm)
+from helpers import (TMA_LOAD_WITH_POLICY, TOL, assert_waits_before_global_access, calc_diff,
+                     col_major_tma, compiler_or_skip, poisoned, rand_fp8, rand_scales, ref_gemm)
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -287,6 +287,7 @@ def test_every_variant_compiles_clean(compiled, tmp_path):
         sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
         assert re.search(rf"QGMMA\.64x{cfg.block_m}x32", sass), f"{what}: no QGMMA.64x{cfg.block_m}x32"
         assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory"
+        assert_waits_before_global_access(sass, what)
         assert re.search(TMA_LOAD_WITH_POLICY, sass), f"{what}: no evict_first load of B"
         # A split reduces through the cluster: its barrier and DSMEM loads are in the SASS.
         assert (cfg.num_splits > 1) == bool(re.search(r"UCGABAR_ARV", sass)), what

@@ -246,3 +246,28 @@ def test_launch_config_hands_out_the_struct_with_its_address():
     assert jit.LaunchConfig((4, 1, 1), (128, 1, 1), 0).for_stream(0)[0].numAttrs == 0
     with pytest.raises(ValueError, match="multiple of the cluster"):
         jit.LaunchConfig((3, 1, 1), (128, 1, 1), 0, (2, 1, 1))
+
+
+@pytest.mark.parametrize("cluster", [(1, 1, 1), (2, 1, 1)])
+def test_launch_config_programmatic_serialization(cluster):
+    """pdl adds cuda.h's CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) with the value
+    1 beside the cluster dimension, if any."""
+    from fp8gemm.jit import driver
+
+    struct_, _ = jit.LaunchConfig((4, 1, 1), (128, 1, 1), 0, cluster, pdl=True).for_stream(7)
+    attrs = {struct_.attrs[i].id: struct_.attrs[i] for i in range(struct_.numAttrs)}
+    assert driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert set(attrs) == {6} | ({driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION}
+                                if cluster != (1, 1, 1) else set())
+    assert attrs[6].value.programmaticStreamSerializationAllowed == 1
+    if cluster != (1, 1, 1):
+        dim = attrs[driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION].value.clusterDim
+        assert (dim.x, dim.y, dim.z) == cluster
+    off, _ = jit.LaunchConfig((4, 1, 1), (128, 1, 1), 0, cluster, pdl=False).for_stream(7)
+    assert off.numAttrs == (cluster != (1, 1, 1))
+    try:
+        from cuda.bindings import driver as cuda_driver
+    except ImportError:
+        return
+    ids = cuda_driver.CUlaunchAttributeID
+    assert int(ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) == 6

@@ -14,9 +14,12 @@ import ctypes
 import functools
 
 __all__ = ["DriverError", "bind_hot_path", "check", "lib", "error_name", "CUlaunchAttribute",
-           "CUlaunchConfig", "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION"]
+           "CUlaunchConfig", "CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION",
+           "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"]
 
+# cuda.h's CUlaunchAttributeID values
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class DriverError(RuntimeError):
@@ -28,7 +31,8 @@ class _ClusterDim(ctypes.Structure):
 
 
 class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("clusterDim", _ClusterDim)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("clusterDim", _ClusterDim),
+                ("programmaticStreamSerializationAllowed", ctypes.c_int)]
 
 
 class CUlaunchAttribute(ctypes.Structure):

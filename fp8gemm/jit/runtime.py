@@ -78,19 +78,34 @@ class ParamPack:
 
 
 class LaunchConfig:
-    """A prebuilt CUlaunchConfig (grid, block, dynamic smem, cluster) per stream."""
+    """A prebuilt CUlaunchConfig (grid, block, dynamic smem, cluster, programmatic dependent
+    launch) per stream.
 
-    __slots__ = ("grid", "block", "smem", "cluster", "_attrs", "_per_stream")
+    pdl: launch with programmatic stream serialization, so the kernel may start while the kernel
+    before it in the stream still runs, once that one lets it (`griddepcontrol.launch_dependents`
+    or its exit). Only for kernels that execute `griddepcontrol.wait` before touching memory an
+    earlier kernel may write."""
+
+    __slots__ = ("grid", "block", "smem", "cluster", "pdl", "_attrs", "_num_attrs", "_per_stream")
 
     def __init__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
-                 cluster: tuple[int, int, int] = (1, 1, 1)) -> None:
+                 cluster: tuple[int, int, int] = (1, 1, 1), pdl: bool = False) -> None:
         if any(g % c for g, c in zip(grid, cluster)):
             raise ValueError(f"grid {grid} must be a multiple of the cluster {cluster}")
-        self.grid, self.block, self.smem, self.cluster = grid, block, smem, cluster
-        self._attrs = (driver.CUlaunchAttribute * 1)()
-        self._attrs[0].id = driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        self._attrs[0].value.clusterDim.x, self._attrs[0].value.clusterDim.y, \
-            self._attrs[0].value.clusterDim.z = cluster
+        self.grid, self.block, self.smem, self.cluster, self.pdl = grid, block, smem, cluster, pdl
+        attrs = []
+        if cluster != (1, 1, 1):
+            a = driver.CUlaunchAttribute()
+            a.id = driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cluster
+            attrs.append(a)
+        if pdl:
+            a = driver.CUlaunchAttribute()
+            a.id = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        self._attrs = (driver.CUlaunchAttribute * max(len(attrs), 1))(*attrs)
+        self._num_attrs = len(attrs)
         self._per_stream: dict[int, tuple[driver.CUlaunchConfig, int]] = {}
 
     def for_stream(self, stream: int) -> tuple:
@@ -105,9 +120,8 @@ class LaunchConfig:
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
             cfg.sharedMemBytes = self.smem
             cfg.hStream = stream or None
-            use_cluster = self.cluster != (1, 1, 1)
-            cfg.attrs = self._attrs if use_cluster else None
-            cfg.numAttrs = 1 if use_cluster else 0
+            cfg.attrs = self._attrs if self._num_attrs else None
+            cfg.numAttrs = self._num_attrs
             entry = (cfg, ctypes.addressof(cfg))
             if len(self._per_stream) > 64:
                 self._per_stream.clear()

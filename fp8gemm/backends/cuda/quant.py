@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ... import jit
+from ..._settings import settings
 from ...layout import empty_token_scales
 from ...problem import SCALE_BLOCK, ceil_div
 from .launch import launch
@@ -126,7 +127,8 @@ def quantize_rows(x: torch.Tensor, fmt: str, pow2: bool, col_major: bool,
         n = min(batch - lo, _MAX_GRID_Y)
         config = _configs.get((grid_x, n))
         if config is None:
-            config = _configs[(grid_x, n)] = jit.LaunchConfig((grid_x, n, 1), (THREADS, 1, 1), 0)
+            config = _configs[(grid_x, n)] = jit.LaunchConfig((grid_x, n, 1), (THREADS, 1, 1), 0,
+                                                              pdl=settings.pdl)
         for v, val in zip(values, (
                 x_ptr + lo * x_batch * x.element_size(), q.data_ptr() + lo * m * k,
                 s.data_ptr() + lo * s_batch * 4, m, k, k if silu else 0, x_row, x_batch, m * k,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ... import jit
+from ..._settings import settings
 from ...layout import (TMA_ALIGN_BYTES, is_col_major_tma_aligned, k_group_columns,
                        k_groups_on_blocks, num_sms_override)
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
@@ -290,7 +291,8 @@ class Sm90Plan1d1d:
         self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped, a_e5m2),
                                 (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(cfg.smem, device_index)
-        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem)
+        self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem,
+                                       pdl=settings.pdl)
         self.packs: dict[tuple, jit.ParamPack] = {}
         self.tmaps = jit.TensorMapCache(capacity=512)
 

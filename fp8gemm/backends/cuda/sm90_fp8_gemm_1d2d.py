@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ... import jit
+from ..._settings import settings
 from ...layout import is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
@@ -412,7 +413,7 @@ class Sm90Plan:
                                 (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), smem,
-                                       (cfg.num_multicast, 1, 1))
+                                       (cfg.num_multicast, 1, 1), pdl=settings.pdl)
         self.packs: dict[tuple, jit.ParamPack] = {}
         self.tmaps = jit.TensorMapCache(capacity=512)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import jit
+from ..._settings import settings
 from ...layout import is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
@@ -298,7 +299,7 @@ class SmallMPlan:
                                 (str(dense.INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (NUM_THREADS, 1, 1), smem,
-                                       (cfg.num_splits, 1, 1))
+                                       (cfg.num_splits, 1, 1), pdl=settings.pdl)
         self.packs: dict[tuple, jit.ParamPack] = {}
         self.tmaps = jit.TensorMapCache(capacity=512)
 

@@ -121,6 +121,10 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
   float* sb = s + batch * s_batch;
 
   const uint32_t first = blockIdx.x * kGroupsPerCta * kItems + threadIdx.x / kQuantLanes;
+  // x comes from the kernel before; the GEMM after (launched with PDL) may start its prologue,
+  // and its L2 prefetch of the weights, while this kernel runs.
+  grid_dependency_wait();
+  grid_launch_dependents();
   float v[kItems][8];
   bool live[kItems];
   // every load first, then the arithmetic: kItems loads of 16 bytes in flight per thread

@@ -140,6 +140,9 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   // One arrival per math warp frees a stage.
   if (threadIdx.x == 0) init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps);
   __syncthreads();
+  // Everything above is the prologue a dependent launch overlaps with the kernel before.
+  grid_dependency_wait();
+  grid_launch_dependents();
 
   Scheduler1d1d<kKGrouped, BLOCK_M, kNumNBlocks, kBandSize> scheduler(shape_m, shape_k, ks,
                                                                        num_groups);

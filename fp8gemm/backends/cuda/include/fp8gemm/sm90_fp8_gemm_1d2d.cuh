@@ -243,14 +243,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // One arrival per math warp of every CTA that writes into a stage frees it.
   if (threadIdx.x == 0)
     init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps * kNumTMAMulticast);
-  if constexpr (kNumTMAMulticast > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
-
-  TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kPairs> scheduler(
-      shape_m, grouped_layout, num_groups);
+  using Scheduler =
+      TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kPairs>;
   // The k-blocks of a tile's part: all of them without split-K.
   auto kb_begin = [](const Tile& t) -> uint32_t {
     if constexpr (kNumSplits == 1) return 0;
@@ -260,6 +254,33 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     if constexpr (kNumSplits == 1) return kNumKBlocks;
     else return (t.split + 1) * kNumKBlocks / kNumSplits;
   };
+  // NOTE: a dense CTA's first tile follows from blockIdx alone, so the B boxes of its first
+  // kNumStages k-blocks are sent to L2 before the dependency wait: launched while the kernel
+  // before it still runs (PDL), the GEMM starts streaming B (the weights, nearly all the bytes
+  // at decode) from HBM meanwhile, and its first TMA loads hit L2.
+  if constexpr (kKind == kKindDense) {
+    if (threadIdx.x == kNumMathThreads) {
+      Scheduler first(shape_m, grouped_layout, num_groups);  // (dense: arithmetic only)
+      Tile t;
+      if (first.next(t)) {
+        const uint32_t kb0 = kb_begin(t), kb1 = kb_end(t);
+        const uint32_t n = kb1 - kb0 < kNumStages ? kb1 - kb0 : kNumStages;
+        for (uint32_t i = 0; i < n; ++i)
+          tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>((kb0 + i) * BLOCK_K),
+                             static_cast<int32_t>(t.n_block * BLOCK_N));
+      }
+    }
+  }
+  if constexpr (kNumTMAMulticast > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+  // Everything above is the prologue a dependent launch overlaps with the kernel before.
+  grid_dependency_wait();
+  grid_launch_dependents();
+
+  Scheduler scheduler(shape_m, grouped_layout, num_groups);
   Tile tile;
 
   if (warpgroup == kNumMathThreads / 128) {

@@ -114,9 +114,14 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   const uint32_t lane = lane_idx();
 
   // --- barrier setup ----------------------------------------------------------------------------
+  // NOTE: the B boxes of the first kNumStages k-blocks go to L2 before the dependency wait (see
+  // grid_dependency_wait): launched while the kernel before it still runs (PDL), the GEMM starts
+  // streaming B from HBM meanwhile, and its first TMA loads hit L2.
   if (threadIdx.x == kNumMathThreads) {
-    tma_prefetch_descriptor(&tmap_a);
     tma_prefetch_descriptor(&tmap_b);
+    for (uint32_t kb = kb_begin; kb < kb_end && kb < kb_begin + kNumStages; ++kb)
+      tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K), static_cast<int32_t>(n0));
+    tma_prefetch_descriptor(&tmap_a);
     tma_prefetch_descriptor(&tmap_sa);
   }
   // One arrival per warp of the warpgroup that reads a stage frees it.
@@ -125,6 +130,9 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   // reduction, whose barrier also guarantees that every peer is running before its shared
   // memory is read.
   __syncthreads();
+  // Everything above is the prologue a dependent launch overlaps with the kernel before.
+  grid_dependency_wait();
+  grid_launch_dependents();
 
   if (warpgroup == 2) {
     // --- producer: one thread issues every TMA load ---------------------------------------------

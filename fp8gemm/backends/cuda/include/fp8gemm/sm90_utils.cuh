@@ -177,6 +177,33 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes
                "r"(bytes) : "memory");
 }
 
+// Bring the box at (c0, c1) of a 2-D tensor map into L2 without waiting (no shared memory, no
+// barrier).
+__device__ __forceinline__ void tma_prefetch_l2_2d(const TmaDescriptor* desc, int32_t c0,
+                                                   int32_t c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
+               ::"l"(reinterpret_cast<uint64_t>(desc)), "r"(c0), "r"(c1) : "memory");
+}
+
+// Programmatic dependent launch (the host's FP8GEMM_PDL): a kernel launched with programmatic
+// stream serialization may start while the kernel before it in the stream still runs, once
+// every CTA of that kernel has called grid_launch_dependents (or exited).
+// grid_dependency_wait returns when the grids this one depends on have completed and their
+// memory operations are visible; without such a launch it returns at once. Every global
+// access that may touch what an earlier kernel writes (A, scales, layouts, out) comes after
+// it; before it, only the prologue and L2 prefetches (L2 is the GPU's point of coherence, so
+// a prefetched line never shadows a later write).
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// Lets the next kernel in the stream (launched with programmatic serialization) start: its CTAs
+// take SMs as this grid's CTAs exit and run their prologue before their own wait, which still
+// waits for this whole grid.
+__device__ __forceinline__ void grid_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDescriptor* desc, uint64_t* bar,
                                             int32_t c0, int32_t c1) {
   asm volatile(
