@@ -37,7 +37,8 @@ built from another copy of the kernels' headers, as `VARIANT@NAME`, in the same 
 previous kernel against the one being changed, with the same data and peers. DIR is a checkout
 (or `git archive REV fp8gemm/backends/cuda/include | tar -x -C DIR`: carry it to the GPU
 machine) or its include folder; the Python side is this tree's, so the headers must take the
-template arguments it passes.
+template arguments it passes. With --headers every kernel launches without programmatic
+dependent launch (FP8GEMM_PDL=0): older headers' kernels may lack the wait it needs.
 
     python scripts/cuda_tiles.py --shapes 4096x7168x2048 --headers old=.work/old
 """
@@ -49,6 +50,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     header_caches: dict[str, dict] = {name: {} for name in headers}
+    if headers:
+        os.environ["FP8GEMM_PDL"] = "0"  # (read when the plans build their launch configs)
     fam = {f.name: f for f in FAMILIES}.get(args.family)
     if fam is None:
         ap.error(f"--family must be one of {', '.join(f.name for f in FAMILIES)}")
