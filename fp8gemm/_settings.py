@@ -23,8 +23,8 @@ def hot_env() -> tuple:
     return (_RAW_ENV.get(b"FP8GEMM_BACKEND"), _RAW_ENV.get(b"FP8GEMM_CHECK_VALUES"))
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+def _flag(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class _Settings:
@@ -74,7 +74,7 @@ class _Settings:
         (the default) a kernel may start its prologue, and the GEMMs their L2 prefetch of the
         weights, while the kernel before it in the stream finishes. Read when a kernel's launch
         configuration is built (a problem's first call)."""
-        return os.environ.get("FP8GEMM_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+        return _flag("FP8GEMM_PDL", default="1")
 
     @property
     def autotune(self) -> bool:

@@ -271,3 +271,15 @@ def test_launch_config_programmatic_serialization(cluster):
         return
     ids = cuda_driver.CUlaunchAttributeID
     assert int(ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) == 6
+
+
+def test_pdl_setting_is_on_unless_turned_off(monkeypatch):
+    from fp8gemm import settings
+
+    monkeypatch.delenv("FP8GEMM_PDL", raising=False)
+    assert settings.pdl
+    for off in ("0", "false", "off", "no"):
+        monkeypatch.setenv("FP8GEMM_PDL", off)
+        assert not settings.pdl
+    monkeypatch.setenv("FP8GEMM_PDL", "1")
+    assert settings.pdl
