@@ -6,7 +6,7 @@
 A chain is what a decode step runs per linear layer: the CUDA per-token quantiser on the layer's
 bf16 input, then the GEMM with that layer's own fp8 weight (every link has its own B, so none
 stays in L2), captured in one CUDA graph. `gemm` chains are GEMMs alone, back to back, each
-with its own A and B. Each chain is timed by CUDA events around its graph's replay (median of
+with its own A and B; `quant+masked` chains the quantiser and a masked grouped GEMM (decode MoE). Each chain is timed by CUDA events around its graph's replay (median of
 30 replays after a 256 MB L2 flush and a sleep that covers the launch), in two child processes,
 FP8GEMM_PDL=1 and =0, taking turns `--rounds` times; printed per link, with the ratio off / on.
 FP8GEMM_PDL is read when a kernel's launch configuration is built, hence a process per mode.
@@ -25,6 +25,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(1, 7168, 2048), (64, 2112, 7168), (64, 7168, 2048), (128, 4096, 7168),
           (128, 7168, 2048)]
+# masked: (experts, Mmax rows, N, K), every expert with Mmax / 2 rows (the CUDA quantiser takes
+# G * Mmax * K <= 2^20 elements)
+MASKED = [(4, 32, 4096, 7168), (8, 64, 7168, 2048)]
+
+
+def time_graph(fn, links: int, flush) -> float:
+    """µs per link of fn's work captured in a CUDA graph: median of 30 replays, each after an L2
+    flush and a sleep that covers the replay's launch."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(30):
+        flush.zero_()
+        torch.cuda._sleep(200_000)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / links)
+    return statistics.median(times)
 
 
 def child(links: int) -> dict:
@@ -48,23 +75,19 @@ def child(links: int) -> dict:
             "gemm": lambda: [fp8gemm.fp8_gemm_nt(q, b, backend="cuda") for q, b in zip(qs, bs)],
         }
         for name, fn in chains.items():
-            fn()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            times = []
-            for _ in range(30):
-                flush.zero_()
-                torch.cuda._sleep(200_000)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1000 / links)
-            out[f"{name} {m}x{n}x{k}"] = statistics.median(times)
+            out[f"{name} {m}x{n}x{k}"] = time_graph(fn, links, flush)
+    for g, mmax, n, k in MASKED:
+        bs = [fp8gemm.quantize_per_block(torch.randn(g, n, k, device=dev, dtype=torch.bfloat16))
+              for _ in range(links)]
+        xs = [torch.randn(g, mmax, k, device=dev, dtype=torch.bfloat16) for _ in range(links)]
+        masked_m = torch.full((g,), mmax // 2, device=dev, dtype=torch.int32)
+        outs = [torch.empty(g, mmax, n, device=dev, dtype=torch.bfloat16) for _ in range(links)]
+
+        def masked_chain():
+            for x, b, o in zip(xs, bs, outs):
+                fp8gemm.m_grouped_fp8_gemm_nt_masked(fp8gemm.quantize_per_token(x), b, o, masked_m,
+                                                     expected_m=mmax // 2, backend="cuda")
+        out[f"quant+masked {g}x{mmax}x{n}x{k}"] = time_graph(masked_chain, links, flush)
     return out
 
 
