@@ -6,10 +6,11 @@
 A chain is what a decode step runs per linear layer: the CUDA per-token quantiser on the layer's
 bf16 input, then the GEMM with that layer's own fp8 weight (every link has its own B, so none
 stays in L2), captured in one CUDA graph. `gemm` chains are GEMMs alone, back to back, each
-with its own A and B; `quant+masked` chains the quantiser and a masked grouped GEMM (decode MoE). Each chain is timed by CUDA events around its graph's replay (median of
-30 replays after a 256 MB L2 flush and a sleep that covers the launch), in two child processes,
-FP8GEMM_PDL=1 and =0, taking turns `--rounds` times; printed per link, with the ratio off / on.
-FP8GEMM_PDL is read when a kernel's launch configuration is built, hence a process per mode.
+with its own A and B; `quant+masked` chains the quantiser and a masked grouped GEMM (decode
+MoE). Each chain is timed by CUDA events around its graph's replay (median of 30 replays after
+a 256 MB L2 flush and a sleep that covers the launch), in two child processes, FP8GEMM_PDL=1
+and =0, taking turns `--rounds` times; printed per link, with the ratio off / on. FP8GEMM_PDL
+is read when a kernel's launch configuration is built, hence a process per mode.
 """
 
 from __future__ import annotations
