@@ -132,11 +132,12 @@ def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def _cuda_rows(x: torch.Tensor, k: int, silu: bool):
+def _cuda_rows(x: torch.Tensor, k: int, silu: bool, masked: bool = False):
     """The CUDA per-token kernels' module when CUDA_QUANT is on (or x has at most
-    CUDA_QUANT_MAX_ELEMENTS elements), x is on a Hopper GPU and the kernel takes it, else None
-    (the Triton kernel runs). FP8GEMM_PRINT_CONFIGS shows which."""
-    if not CUDA_QUANT and not 0 < x.numel() <= CUDA_QUANT_MAX_ELEMENTS:
+    CUDA_QUANT_MAX_ELEMENTS elements, or masked: only the rows of tokens are read), x is on a
+    Hopper GPU and the kernel takes it, else None (the Triton kernel runs). FP8GEMM_PRINT_CONFIGS
+    shows which."""
+    if not (CUDA_QUANT or masked) and not 0 < x.numel() <= CUDA_QUANT_MAX_ELEMENTS:
         return None
     from ._settings import settings
 
@@ -155,6 +156,20 @@ def _cuda_rows(x: torch.Tensor, k: int, silu: bool):
         _printed.add(line)
         print(line, flush=True)
     return None
+
+
+def _check_masked_m(x: torch.Tensor, masked_m) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [G, Mmax, 2I] with masked_m, got shape {list(x.shape)}")
+    if not isinstance(masked_m, torch.Tensor) or masked_m.dtype != torch.int32:
+        raise TypeError(f"masked_m must be an int32 tensor, got "
+                        f"{getattr(masked_m, 'dtype', type(masked_m).__name__)}")
+    if tuple(masked_m.shape) != (x.shape[0],):
+        raise ValueError(f"masked_m must be [G] = [{x.shape[0]}], got {list(masked_m.shape)}")
+    if masked_m.device != x.device:
+        raise ValueError(f"masked_m must be on x's device {x.device}, got {masked_m.device}")
+    if not masked_m.is_contiguous():
+        raise ValueError("masked_m must be contiguous")
 
 
 def _compiling() -> bool:
@@ -186,21 +201,30 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
 
 
 def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
-                                col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                                col_major_scales: bool = True,
+                                masked_m: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The middle of a SwiGLU expert in one pass: x [..., T, 2I] -> silu(x[..., :I]) * x[..., I:]
-    quantised per 1x128 group, as `quantize_per_token` returns it ([..., T, I] fp8 + scales)."""
+    quantised per 1x128 group, as `quantize_per_token` returns it ([..., T, I] fp8 + scales).
+
+    masked_m: for x [G, Mmax, 2I] in the masked layout (decode MoE), int32 [G] on x's device,
+    read on the device: the rows at or past masked_m[g] of expert g hold no token, and their
+    fp8 values are unspecified (their scales are finite). The CUDA kernel (Hopper) then reads
+    and writes only the tokens' rows; the other paths quantise every row."""
     _check_input(x, 2)
     if x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
     fp8_dtype(fmt)
+    if masked_m is not None:
+        _check_masked_m(x, masked_m)
     if _compiling():
         return torch.ops.fp8gemm.silu_mul_quantize_per_token(x, fmt, pow2_scales,
-                                                             col_major_scales)
+                                                             col_major_scales, masked_m)
     kernels = _triton_quant(x)
     if kernels is not None:
-        rows = _cuda_rows(x, x.shape[-1] // 2, True)
+        rows = _cuda_rows(x, x.shape[-1] // 2, True, masked=masked_m is not None)
         if rows is not None:
-            return rows.quantize_rows(x, fmt, pow2_scales, col_major_scales, True)
+            return rows.quantize_rows(x, fmt, pow2_scales, col_major_scales, True, masked_m)
         return kernels.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
                                                    col_major_scales=col_major_scales)
     return silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales)

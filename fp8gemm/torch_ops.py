@@ -125,17 +125,20 @@ def _(x, fmt="e4m3", pow2_scales=False, col_major_scales=True):
 
 @torch.library.custom_op(f"{_LIB}::silu_mul_quantize_per_token", mutates_args=())
 def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", pow2_scales: bool = False,
-                                col_major_scales: bool = True
+                                col_major_scales: bool = True,
+                                masked_m: Optional[torch.Tensor] = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     return quant.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
-                                             col_major_scales=col_major_scales)
+                                             col_major_scales=col_major_scales, masked_m=masked_m)
 
 
 @silu_mul_quantize_per_token.register_fake
-def _(x, fmt="e4m3", pow2_scales=False, col_major_scales=True):
+def _(x, fmt="e4m3", pow2_scales=False, col_major_scales=True, masked_m=None):
     quant._check_input(x, 2)
     if x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
+    if masked_m is not None:
+        quant._check_masked_m(x, masked_m)
     return quant.silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales)
 
 

@@ -42,7 +42,10 @@ def _every_op(xs, w, xg, wg, m_indices, offsets, masked_m):
     ym = torch.full((2, 5, wg.shape[1]), 7.0, dtype=torch.bfloat16,
                     device=y.device)  # rows past masked_m kept
     fp8gemm.m_grouped_fp8_gemm_nt_masked((ma, msa), (gb[:2], gsb[:2]), ym, masked_m, 3)
-    return out + [y, y32, yc, yo, ym]
+    # masked_m = [3, 5] of Mmax 5: expert 0's rows 3 and 4 are unspecified
+    qm, sm = fp8gemm.silu_mul_quantize_per_token(torch.cat([xg.view(2, 5, -1)] * 2, dim=-1),
+                                                 masked_m=masked_m)
+    return out + [y, y32, yc, yo, ym, qm[0, :3], qm[1], sm]
 
 
 def _inputs(device):
@@ -101,6 +104,8 @@ def test_fake_implementations_match_real_outputs():
         (ops.quantize_per_token, (torch.randn(3, 37, 100), "e5m2", True, False)),
         (ops.quantize_per_token, (torch.randn(3, 8, 128),)),
         (ops.silu_mul_quantize_per_token, (torch.randn(3, 7, 512),)),
+        (ops.silu_mul_quantize_per_token, (torch.randn(2, 7, 512), "e4m3", False, True,
+                                           torch.tensor([3, 7], dtype=torch.int32))),
         (ops.quantize_per_block, (torch.randn(2, 200, 320),)),
     ]:
         torch.library.opcheck(op, args, test_utils=only_fake)

@@ -143,3 +143,38 @@ def test_repeats_bit_for_bit_and_writes_nothing_else(gpu_device, cuda_quant):
         q2, s2 = fp8gemm.quantize_per_token(x)
         assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
     assert torch.equal(x, x0) and len(cuda_quant) == 4
+
+
+@pytest.mark.gpu
+def test_silu_mul_masked_m_reads_only_the_tokens_rows(gpu_device, cuda_quant, monkeypatch):
+    """With masked_m the CUDA kernel runs whatever the size (it reads the tokens' rows only):
+    those rows have the torch code's values and the other rows' scales are an all-zero group's
+    (their fp8 values are unspecified). masked_m is clamped to [0, Mmax] and may change between
+    the replays of a CUDA graph."""
+    monkeypatch.setattr(quant, "CUDA_QUANT", False)
+    g, mmax, inter = 8, 160, 2048  # 5.2M elements: Triton without masked_m
+    x = torch.randn(g, mmax, 2 * inter, device=gpu_device, dtype=torch.bfloat16) * 3
+    zero_scale = quant.silu_mul_per_token_torch(torch.zeros(1, 1, 256), "e4m3", False, True)[1]
+    spec_q, spec_s = quant.silu_mul_per_token_torch(x.cpu(), "e4m3", False, True)
+
+    def check(masked_m, got, what):
+        q, s = got
+        for e, rows in enumerate(masked_m.tolist()):
+            rows = min(max(rows, 0), mmax)
+            _agrees((q[e, :rows], s[e, :rows]), (spec_q[e, :rows], spec_s[e, :rows]), what)
+            assert bool((s[e, rows:] == zero_scale.flatten()[0].to(s.device)).all()), what
+
+    masked_m = torch.tensor([0, 1, 7, 64, 159, 160, 300, -3], dtype=torch.int32,
+                            device=gpu_device)
+    before = len(cuda_quant)
+    check(masked_m, fp8gemm.silu_mul_quantize_per_token(x, masked_m=masked_m), "eager")
+    assert len(cuda_quant) == before + 1, "the CUDA kernel did not run"
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fp8gemm.silu_mul_quantize_per_token(x, masked_m=masked_m)
+    for values in ([5, 0, 160, 3, 2, 1, 100, 77], [160] * 8):
+        masked_m.copy_(torch.tensor(values, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(masked_m, got, f"graph {values}")

@@ -200,6 +200,25 @@ def test_silu_mul_quantize_per_token():
         fp8gemm.silu_mul_quantize_per_token(torch.randn(4, 7))
 
 
+def test_silu_mul_masked_m_is_checked_and_every_row_quantised_off_hopper():
+    """masked_m (decode MoE's masked layout) lets the CUDA kernel skip the rows of no token;
+    the other paths quantise every row, so the result is the unmasked one."""
+    x = torch.randn(3, 6, 2 * 256, dtype=torch.bfloat16)
+    mm = torch.tensor([0, 2, 9], dtype=torch.int32)
+    q, s = fp8gemm.silu_mul_quantize_per_token(x, masked_m=mm)
+    q0, s0 = fp8gemm.silu_mul_quantize_per_token(x)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    for bad, err, match in [
+            (torch.tensor([1, 2, 3]), TypeError, "masked_m must be an int32"),
+            (torch.tensor([1, 2], dtype=torch.int32), ValueError, r"must be \[G\] = \[3\]"),
+            (torch.tensor([[1, 2, 3]], dtype=torch.int32), ValueError, "masked_m must be"),
+            ([1, 2, 3], TypeError, "masked_m must be an int32")]:
+        with pytest.raises(err, match=match):
+            fp8gemm.silu_mul_quantize_per_token(x, masked_m=bad)
+    with pytest.raises(ValueError, match=r"x must be \[G, Mmax, 2I\]"):
+        fp8gemm.silu_mul_quantize_per_token(x[0], masked_m=mm)
+
+
 # ---------------------------------------------------------------------------------------------
 # Delayed scaling
 

@@ -93,16 +93,19 @@ def _args() -> tuple[list, jit.ParamPack]:
         values = [ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0),
                   ctypes.c_uint32(0), ctypes.c_uint32(0), ctypes.c_uint32(0),
                   ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0),
-                  ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)]
+                  ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0),
+                  ctypes.c_uint64(0)]
         entry = _local.args = (values, jit.ParamPack(values))
     return entry
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, pow2: bool, col_major: bool,
-                  silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, fmt: str, pow2: bool, col_major: bool, silu: bool,
+                  masked_m: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., M, K] (or [..., M, 2I] with silu) on a CUDA GPU, `refusal` None ->
     (q [..., M, K] fp8 row-major, s [..., M, ceil(K/128)] float32: column-major with M padded to
-    16 bytes when col_major, else row-major)."""
+    16 bytes when col_major, else row-major). masked_m: int32 [G] for x [G, M, K_in] (checked by
+    the caller): rows at or past masked_m[g] are neither read nor written but for their scales
+    (an all-zero group's)."""
     lead, m = tuple(x.shape[:-2]), x.shape[-2]
     k = x.shape[-1] // 2 if silu else x.shape[-1]
     kb = ceil_div(k, SCALE_BLOCK)
@@ -132,7 +135,7 @@ def quantize_rows(x: torch.Tensor, fmt: str, pow2: bool, col_major: bool,
         for v, val in zip(values, (
                 x_ptr + lo * x_batch * x.element_size(), q.data_ptr() + lo * m * k,
                 s.data_ptr() + lo * s_batch * 4, m, k, k if silu else 0, x_row, x_batch, m * k,
-                s_row, s_group, s_batch)):
+                s_row, s_group, s_batch, 0 if masked_m is None else masked_m.data_ptr() + lo * 4)):
             v.value = val
         launch(kernel, config, device_index, pack)
     return q, s

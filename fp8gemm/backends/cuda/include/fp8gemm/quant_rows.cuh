@@ -7,6 +7,9 @@
 // Layout: x [B, M, K_in] with unit column stride; q [B, M, K] row-major (row stride K); scales at
 // s + b * s_batch + m * s_row + g * s_group (column-major TMA-aligned: s_row = 1, or row-major).
 // With kSiluMul the row holds gate then up: the values are silu(x[m, k]) * x[m, inter + k].
+// masked_m (or null): int32 [B]; rows m >= masked_m[b] of batch b (the masked layout's rows of
+// no token) are not read and their FP8 values not written; their scales are an all-zero
+// group's (finite), so a GEMM that reads the whole [M, K] tile sees no NaN scale.
 //
 // Work: a half-warp per (row, group); each lane holds 8 consecutive elements (16 bytes of bf16),
 // the 16 lanes exchange their maxima by shuffles, and each stores its 8 FP8 values (8 bytes).
@@ -107,7 +110,7 @@ template <uint32_t kIn, bool kE5M2, bool kSiluMul, bool kPow2, bool kRowsFirst, 
 __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
     const void* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ s, uint32_t m_rows,
     uint32_t k, uint32_t inter, uint64_t x_row, uint64_t x_batch, uint64_t q_batch,
-    uint64_t s_row, uint64_t s_group, uint64_t s_batch) {
+    uint64_t s_row, uint64_t s_group, uint64_t s_batch, const int32_t* __restrict__ masked_m) {
   constexpr uint32_t kInBytes = kIn == kInF32 ? 4 : 2;
   constexpr float kFmtMax = kE5M2 ? 57344.0f : 448.0f;
   constexpr uint32_t kGroupsPerCta = kThreads / kQuantLanes;
@@ -125,6 +128,11 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
   // and its L2 prefetch of the weights, while this kernel runs.
   grid_dependency_wait();
   grid_launch_dependents();
+  uint32_t live_rows = m_rows;  // (masked_m clamped to [0, M])
+  if (masked_m != nullptr) {
+    const int32_t mm = __ldg(masked_m + batch);
+    live_rows = mm <= 0 ? 0u : min(static_cast<uint32_t>(mm), m_rows);
+  }
   float v[kItems][8];
   bool live[kItems];
   // every load first, then the arithmetic: kItems loads of 16 bytes in flight per thread
@@ -134,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) quant_rows_kernel(
     uint32_t row, group;
     quant_item<kRowsFirst>(item, m_rows, groups, row, group);
     const uint32_t col = group * kQuantGroup + lane * 8;
-    live[it] = item < items && col < k;
+    live[it] = item < items && col < k && row < live_rows;
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[it][i] = 0.0f;
     if (live[it]) {
