@@ -161,7 +161,8 @@ def test_silu_mul_masked_m_reads_only_the_tokens_rows(gpu_device, cuda_quant, mo
         q, s = got
         for e, rows in enumerate(masked_m.tolist()):
             rows = min(max(rows, 0), mmax)
-            _agrees((q[e, :rows], s[e, :rows]), (spec_q[e, :rows], spec_s[e, :rows]), what)
+            if rows:
+                _agrees((q[e, :rows], s[e, :rows]), (spec_q[e, :rows], spec_s[e, :rows]), what)
             assert bool((s[e, rows:] == zero_scale.flatten()[0].to(s.device)).all()), what
 
     masked_m = torch.tensor([0, 1, 7, 64, 159, 160, 300, -3], dtype=torch.int32,
