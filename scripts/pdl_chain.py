@@ -7,8 +7,8 @@ A chain is what a decode step runs per linear layer: the CUDA per-token quantise
 bf16 input, then the GEMM with that layer's own fp8 weight (every link has its own B, so none
 stays in L2), captured in one CUDA graph. `gemm` chains are GEMMs alone, back to back, each
 with its own A and B; `quant+masked` chains the quantiser and a masked grouped GEMM (decode
-MoE). Each chain is timed by CUDA events around its graph's replay (median of 30 replays after
-a 256 MB L2 flush and a sleep that covers the launch), in two child processes, FP8GEMM_PDL=1
+MoE). Each chain's graph replay is timed as the benchmark times a call (fp8gemm.bench.timing:
+median of 30 runs, L2 flushed, launch hidden behind a sleep), in two child processes, FP8GEMM_PDL=1
 and =0, taking turns `--rounds` times; printed per link, with the ratio off / on. FP8GEMM_PDL
 is read when a kernel's launch configuration is built, hence a process per mode.
 """
@@ -29,11 +29,12 @@ SHAPES = [(1, 7168, 2048), (64, 2112, 7168), (64, 7168, 2048), (128, 4096, 7168)
 # masked: (experts, Mmax rows, N, K), every expert with Mmax / 2 rows (the CUDA quantiser takes
 # G * Mmax * K <= 2^20 elements)
 MASKED = [(4, 32, 4096, 7168), (8, 64, 7168, 2048)]
+REPLAY_HOST_US = 50.0  # host time of a graph replay, for the sleep that hides it
 
 
-def time_graph(fn, links: int, flush) -> float:
-    """µs per link of fn's work captured in a CUDA graph: median of 30 replays, each after an L2
-    flush and a sleep that covers the replay's launch."""
+def time_graph(fn, links: int, timer) -> float:
+    """µs per link of fn's work captured in a CUDA graph: the benchmark's device time of the
+    graph's replay (fp8gemm.bench.timing: L2 flushed, launch hidden behind a sleep, median)."""
     import torch
 
     fn()
@@ -41,18 +42,7 @@ def time_graph(fn, links: int, flush) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(30):
-        flush.zero_()
-        torch.cuda._sleep(200_000)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / links)
-    return statistics.median(times)
+    return statistics.median(timer.time_us(graph.replay, host_us=REPLAY_HOST_US)) / links
 
 
 def child(links: int) -> dict:
@@ -60,10 +50,10 @@ def child(links: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import fp8gemm
-    from fp8gemm.bench.timing import FLUSH_BYTES
+    from fp8gemm.bench.timing import DeviceTimer
 
     dev = torch.device("cuda")
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    timer = DeviceTimer(dev)
     out = {}
     for m, n, k in SHAPES:
         bs = [fp8gemm.quantize_per_block(torch.randn(n, k, device=dev, dtype=torch.bfloat16))
@@ -76,7 +66,7 @@ def child(links: int) -> dict:
             "gemm": lambda: [fp8gemm.fp8_gemm_nt(q, b, backend="cuda") for q, b in zip(qs, bs)],
         }
         for name, fn in chains.items():
-            out[f"{name} {m}x{n}x{k}"] = time_graph(fn, links, flush)
+            out[f"{name} {m}x{n}x{k}"] = time_graph(fn, links, timer)
     for g, mmax, n, k in MASKED:
         bs = [fp8gemm.quantize_per_block(torch.randn(g, n, k, device=dev, dtype=torch.bfloat16))
               for _ in range(links)]
@@ -88,7 +78,7 @@ def child(links: int) -> dict:
             for x, b, o in zip(xs, bs, outs):
                 fp8gemm.m_grouped_fp8_gemm_nt_masked(fp8gemm.quantize_per_token(x), b, o, masked_m,
                                                      expected_m=mmax // 2, backend="cuda")
-        out[f"quant+masked {g}x{mmax}x{n}x{k}"] = time_graph(masked_chain, links, flush)
+        out[f"quant+masked {g}x{mmax}x{n}x{k}"] = time_graph(masked_chain, links, timer)
     return out
 
 
