@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import get_col_major_tma_aligned_tensor
+from .ops._common import check_index
 from .problem import FP8_DTYPES, SCALE_BLOCK, ceil_div
 
 __all__ = ["FORMATS", "AMAX_FLOOR", "fp8_dtype", "quantize_per_token", "quantize_per_block",
@@ -161,15 +162,7 @@ def _cuda_rows(x: torch.Tensor, k: int, silu: bool, masked: bool = False):
 def _check_masked_m(x: torch.Tensor, masked_m) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [G, Mmax, 2I] with masked_m, got shape {list(x.shape)}")
-    if not isinstance(masked_m, torch.Tensor) or masked_m.dtype != torch.int32:
-        raise TypeError(f"masked_m must be an int32 tensor, got "
-                        f"{getattr(masked_m, 'dtype', type(masked_m).__name__)}")
-    if tuple(masked_m.shape) != (x.shape[0],):
-        raise ValueError(f"masked_m must be [G] = [{x.shape[0]}], got {list(masked_m.shape)}")
-    if masked_m.device != x.device:
-        raise ValueError(f"masked_m must be on x's device {x.device}, got {masked_m.device}")
-    if not masked_m.is_contiguous():
-        raise ValueError("masked_m must be contiguous")
+    check_index("masked_m", masked_m, (x.shape[0],), x.device, like="x")
 
 
 def _compiling() -> bool:
@@ -208,15 +201,16 @@ def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scal
     quantised per 1x128 group, as `quantize_per_token` returns it ([..., T, I] fp8 + scales).
 
     masked_m: for x [G, Mmax, 2I] in the masked layout (decode MoE), int32 [G] on x's device,
-    read on the device: the rows at or past masked_m[g] of expert g hold no token, and their
-    fp8 values are unspecified (their scales are finite). The CUDA kernel (Hopper) then reads
-    and writes only the tokens' rows; the other paths quantise every row."""
+    read on the device (clamped to [0, Mmax]): the rows at or past masked_m[g] of expert g hold
+    no token and are not read, whatever they hold (an output buffer nothing zeroed); their
+    scales are an all-zero group's and their fp8 values unspecified."""
     _check_input(x, 2)
     if x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, 2I] with an even last dim, got {list(x.shape)}")
     fp8_dtype(fmt)
     if masked_m is not None:
         _check_masked_m(x, masked_m)
+        masked_m = masked_m.contiguous()  # (the kernels read it as G int32 in a row)
     if _compiling():
         return torch.ops.fp8gemm.silu_mul_quantize_per_token(x, fmt, pow2_scales,
                                                              col_major_scales, masked_m)
@@ -226,8 +220,9 @@ def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scal
         if rows is not None:
             return rows.quantize_rows(x, fmt, pow2_scales, col_major_scales, True, masked_m)
         return kernels.silu_mul_quantize_per_token(x, fmt, pow2_scales=pow2_scales,
-                                                   col_major_scales=col_major_scales)
-    return silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales)
+                                                   col_major_scales=col_major_scales,
+                                                   masked_m=masked_m)
+    return silu_mul_per_token_torch(x, fmt, pow2_scales, col_major_scales, masked_m)
 
 
 def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
@@ -329,9 +324,13 @@ def per_token_torch(x: torch.Tensor, fmt: str, pow2_scales: bool, col_major_scal
 
 
 def silu_mul_per_token_torch(x: torch.Tensor, fmt: str, pow2_scales: bool,
-                             col_major_scales: bool):
+                             col_major_scales: bool, masked_m: torch.Tensor | None = None):
     gate, up = x.float().chunk(2, dim=-1)
-    return per_token_torch(F.silu(gate) * up, fmt, pow2_scales, col_major_scales)
+    mid = F.silu(gate) * up
+    if masked_m is not None:  # (the rows of no token quantised as zeros, whatever x holds there)
+        rows = torch.arange(x.shape[-2], device=x.device)
+        mid = mid.where((rows < masked_m[:, None])[..., None], 0.0)
+    return per_token_torch(mid, fmt, pow2_scales, col_major_scales)
 
 
 def per_block_torch(w: torch.Tensor, fmt: str, pow2_scales: bool):

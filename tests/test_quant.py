@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8gemm
+from fp8gemm import quant
 from fp8gemm.layout import get_tma_aligned_size, is_col_major_tma_aligned
 from fp8gemm.problem import Recipe
 from fp8gemm.quant import AMAX_FLOOR
@@ -200,19 +201,44 @@ def test_silu_mul_quantize_per_token():
         fp8gemm.silu_mul_quantize_per_token(torch.randn(4, 7))
 
 
-def test_silu_mul_masked_m_is_checked_and_every_row_quantised_off_hopper():
-    """masked_m (decode MoE's masked layout) lets the CUDA kernel skip the rows of no token;
-    the other paths quantise every row, so the result is the unmasked one."""
+def _check_masked_rows(got, x, masked_m):
+    """The tokens' rows of silu_mul_quantize_per_token(x, masked_m=...) equal the unmasked
+    result on them; every other row has an all-zero group's scale."""
+    q, s = got
+    q0, s0 = fp8gemm.silu_mul_quantize_per_token(torch.nan_to_num(x))
+    zero_scale = quant.silu_mul_per_token_torch(torch.zeros(1, 1, 256), "e4m3", False, True)[1]
+    for e, rows in enumerate(masked_m.tolist()):
+        rows = min(max(rows, 0), x.shape[1])
+        assert torch.equal(q[e, :rows].view(torch.uint8), q0[e, :rows].view(torch.uint8)), e
+        assert torch.equal(s[e, :rows], s0[e, :rows]), e
+        assert bool((s[e, rows:] == zero_scale.flatten()[0]).all()), e
+
+
+def test_silu_mul_masked_m_reads_only_the_tokens_rows():
+    """masked_m (decode MoE's masked layout): the rows of no token are not read on any path, so
+    they may hold anything (NaN, inf: an output buffer nobody zeroed); masked_m is clamped to
+    [0, Mmax] and may be strided."""
+    x = torch.randn(5, 6, 2 * 256, dtype=torch.bfloat16)
+    mm = torch.tensor([0, 2, 9, -1, 6], dtype=torch.int32)
+    for e, rows in enumerate(mm.tolist()):
+        x[e, max(rows, 0):, ::3] = float("nan")
+        x[e, max(rows, 0):, 1::3] = float("inf")
+    _check_masked_rows(fp8gemm.silu_mul_quantize_per_token(x, masked_m=mm), x, mm)
+    strided = torch.stack([mm, mm], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    _check_masked_rows(fp8gemm.silu_mul_quantize_per_token(x, masked_m=strided), x, mm)
+
+
+def test_silu_mul_masked_m_is_checked():
     x = torch.randn(3, 6, 2 * 256, dtype=torch.bfloat16)
     mm = torch.tensor([0, 2, 9], dtype=torch.int32)
-    q, s = fp8gemm.silu_mul_quantize_per_token(x, masked_m=mm)
-    q0, s0 = fp8gemm.silu_mul_quantize_per_token(x)
-    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
     for bad, err, match in [
-            (torch.tensor([1, 2, 3]), TypeError, "masked_m must be an int32"),
-            (torch.tensor([1, 2], dtype=torch.int32), ValueError, r"must be \[G\] = \[3\]"),
-            (torch.tensor([[1, 2, 3]], dtype=torch.int32), ValueError, "masked_m must be"),
-            ([1, 2, 3], TypeError, "masked_m must be an int32")]:
+            (torch.tensor([1, 2, 3]), TypeError, "^masked_m must be torch.int32, got torch.int64"),
+            (torch.tensor([1, 2], dtype=torch.int32), ValueError,
+             r"^masked_m must have shape \[3\], got \[2\]"),
+            (torch.tensor([[1, 2, 3]], dtype=torch.int32), ValueError, "^masked_m must have shape"),
+            (mm.to("meta"), ValueError, "^masked_m must be on cpu like x, got meta"),
+            ([1, 2, 3], TypeError, "^masked_m must be a torch.int32 tensor, got list")]:
         with pytest.raises(err, match=match):
             fp8gemm.silu_mul_quantize_per_token(x, masked_m=bad)
     with pytest.raises(ValueError, match=r"x must be \[G, Mmax, 2I\]"):
@@ -307,9 +333,9 @@ def test_cuda_quantisation_matches_cpu_spec(name, fmt):
 
 
 def test_triton_quantisers_compile_for_sm90():
-    """The quantisation kernels as launched (rows with SiLU*mul, rows of a transposed view, the
-    transposing per-token kernel, blocks with power-of-two scales, blocks transposed) compile for
-    sm_90a with no local memory."""
+    """The quantisation kernels as launched (rows with SiLU*mul, also on the masked layout, rows
+    of a transposed view, the transposing per-token kernel, blocks with power-of-two scales,
+    blocks transposed) compile for sm_90a with no local memory."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -318,7 +344,7 @@ def test_triton_quantisers_compile_for_sm90():
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("Triton without its ptxas")
     compiled = kernels.compile_kernels(GPUTarget("cuda", 90, 32))
-    assert len(compiled) == 5
+    assert len(compiled) == 6
     for name, k in compiled:
         ptx = k.asm["ptx"]
         assert "ld.local" not in ptx and "st.local" not in ptx, name

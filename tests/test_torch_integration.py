@@ -92,6 +92,32 @@ def test_fp8_moe_matches_dense_per_token_computation(layout):
     assert fp8gemm.calc_diff(moe(x, ids, wts, layout=layout), ref) < 1e-2
 
 
+@pytest.mark.parametrize("layout", ["masked", "contiguous", "offsets"])
+def test_fp8_moe_reads_no_unwritten_memory(layout, monkeypatch):
+    """Every buffer the layer allocates without zeroing starts as NaN (fp8: its NaN bytes): the
+    output has the same bits, so no row of no token (the masked layout's rows past masked_m,
+    padding rows) is read before it is written."""
+    torch.manual_seed(1)
+    g, h, i, t, topk = 4, 256, 192, 9, 2
+    moe = Fp8MoE(g, h, i)
+    moe.load_weights(torch.randn(g, 2 * i, h) / 16, torch.randn(g, h, i) / 16)
+    x, wts = torch.randn(t, h), torch.rand(t, topk)
+    ids = torch.stack([torch.randperm(g)[:topk] for _ in range(t)])
+    want = moe(x, ids, wts, layout=layout)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        if out.dtype.is_floating_point and out.element_size() == 1:
+            out.view(torch.uint8).fill_(0x7F)
+        elif out.dtype.is_floating_point:
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    assert torch.equal(moe(x, ids, wts, layout=layout), want)
+
+
 def test_fp8_moe_masked_capacity_and_bad_layout():
     moe = Fp8MoE(2, 128, 128)
     moe.load_weights(torch.randn(2, 256, 128) / 16, torch.randn(2, 128, 128) / 16)

@@ -437,6 +437,27 @@ def test_quantize_batch_past_grid_limit(tb):
         assert torch.equal(qb[i].view(torch.uint8), q1.view(torch.uint8)) and torch.equal(sbk[i], s1)
 
 
+def test_silu_mul_masked_m_reads_only_the_tokens_rows(tb):
+    """masked_m on the decode MoE's layout, compiled: the rows past masked_m[g] (NaN and inf
+    here) are not read and take an all-zero group's scale; the tokens' rows have the bits of
+    the unmasked call; a batch past the grid's z limit reads each expert's own count."""
+    from fp8gemm.backends.triton import quant
+
+    for g, mmax, i in ((32, 128, 2048), (66000, 2, 128)):
+        x = (torch.randn(g, mmax, 2 * i, device="cuda") * 3).to(torch.bfloat16)
+        mm = torch.randint(-1, mmax + 2, (g,), dtype=torch.int32, device="cuda")
+        q0, s0 = quant.silu_mul_quantize_per_token(x)
+        rows = mm.clamp(0, mmax)
+        dead = torch.arange(mmax, device="cuda")[None, :] >= rows[:, None]
+        x[dead] = float("nan")
+        x[..., 1::2][dead] = float("inf")
+        q, s = quant.silu_mul_quantize_per_token(x, masked_m=mm)
+        zero = quant.silu_mul_quantize_per_token(torch.zeros(1, 1, 2 * i, device="cuda"))[1]
+        live = ~dead
+        assert torch.equal(q.view(torch.uint8)[live], q0.view(torch.uint8)[live]), (g, mmax)
+        assert torch.equal(s[live], s0[live]) and bool((s[dead] == zero.flatten()[0]).all())
+
+
 def test_quantized_end_to_end(tb):
     """quantize_per_token + quantize_per_block + GEMM against the bf16 product (FP8 error)."""
     from fp8gemm.backends.triton import quant

@@ -590,6 +590,27 @@ def test_silu_mul_quantize_per_token(tb, fmt):
         tb.quant.silu_mul_quantize_per_token(x[:, :5])
 
 
+def test_silu_mul_masked_m_reads_only_the_tokens_rows(tb, monkeypatch):
+    """With masked_m the kernel leaves the rows of no token unread (NaN and inf there change
+    nothing) and gives them an all-zero group's scale; masked_m is clamped to [0, Mmax], and
+    each launch of a batch sliced for the grid reads its own experts' counts."""
+    monkeypatch.setattr(tb.quant, "_MAX_GRID_Z", 2)  # 5 experts: launches of 2, 2 and 1
+    g, mmax, i = 5, 40, 200
+    x = (torch.randn(g, mmax, 2 * i, generator=_gen(71)) * 3).to(torch.bfloat16)
+    mm = torch.tensor([3, 0, 40, -2, 77], dtype=torch.int32)
+    q0, s0 = tb.quant.silu_mul_quantize_per_token(x)
+    for e, rows in enumerate(mm.tolist()):
+        x[e, max(rows, 0):, ::2] = float("nan")
+        x[e, max(rows, 0):, 1::2] = float("inf")
+    q, s = tb.quant.silu_mul_quantize_per_token(x, masked_m=mm)
+    zero_scale = tb.quant.silu_mul_quantize_per_token(torch.zeros(1, 1, 2 * i))[1].flatten()[0]
+    for e, rows in enumerate(mm.tolist()):
+        rows = min(max(rows, 0), mmax)
+        assert torch.equal(q[e, :rows].view(torch.uint8), q0[e, :rows].view(torch.uint8)), e
+        assert torch.equal(s[e, :rows], s0[e, :rows]), e
+        assert bool((s[e, rows:] == zero_scale).all()), e
+
+
 def test_quant_rejects_bad_input(tb):
     with pytest.raises(ValueError, match="fmt"):
         tb.quant.quantize_per_token(torch.zeros(4, 4), fmt="e3m4")

@@ -53,9 +53,9 @@ def check_fp8(name: str, t: torch.Tensor, ndim: int, what: str) -> None:
         raise ValueError(f"{name} must be {ndim}-D {what}, got shape {shape_str(t.shape)}")
 
 
-def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+def check_device(name: str, t: torch.Tensor, device: torch.device, like: str = "a") -> None:
     if t.device != device:
-        raise ValueError(f"{name} must be on {device} like a, got {t.device}")
+        raise ValueError(f"{name} must be on {device} like {like}, got {t.device}")
 
 
 def check_out_dtype(out_dtype: torch.dtype, name: str = "out_dtype") -> None:
@@ -154,14 +154,15 @@ def _check_scale_tensor(name: str, s: torch.Tensor, device: torch.device) -> Non
     check_device(f"{name} scales", s, device)
 
 
-def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+def check_index(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device,
+                like: str = "a") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.int32 tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must be torch.int32, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape_str(shape)}, got {shape_str(t.shape)}")
-    check_device(name, t, device)
+    check_device(name, t, device, like)
 
 
 def prepare_out(out: torch.Tensor | None, shape: tuple[int, ...], out_dtype: torch.dtype,

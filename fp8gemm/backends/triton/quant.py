@@ -67,14 +67,16 @@ def _to_fp8(q, dtype, SOFT_ROUND: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, I,
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, M, K, I,
                        stride_xb, stride_xm, stride_xk, stride_qb, stride_qm,
                        stride_sb, stride_sm, stride_sk,
                        SILU_MUL: tl.constexpr, FMT_MAX: tl.constexpr, POW2: tl.constexpr,
                        SOFT_ROUND: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr, MASKED: tl.constexpr):
     """One [BLOCK_M, GROUP_K] tile: a per-row amax, a scale per row, the FP8 values.
-    SILU_MUL: the tile's values are silu(x[:, k]) * x[:, I + k] (K == I)."""
+    SILU_MUL: the tile's values are silu(x[:, k]) * x[:, I + k] (K == I).
+    MASKED: matrix b has rows_ptr[b] rows (clamped to [0, M]); the others are not read, take an
+    all-zero group's scale and keep their FP8 values unwritten."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -82,7 +84,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, I,
     q_ptr += batch * stride_qb
     s_ptr += batch * stride_sb
     offs_k = kb * GROUP_K + tl.arange(0, GROUP_K)
-    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    rows = M
+    if MASKED:
+        rows = tl.minimum(tl.maximum(tl.load(rows_ptr + batch), 0), M)
+    mask = (offs_m < rows)[:, None] & (offs_k < K)[None, :]
     ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if SILU_MUL:
@@ -218,7 +223,7 @@ def _k_offsets_fit(x: torch.Tensor) -> bool:
     return (x.shape[-1] - 1) * x.stride(-1) < 2**31
 
 
-def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
+def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales, masked_m=None):
     dtype = _fmt(fmt)
     if not _k_offsets_fit(x):
         x = x.contiguous()
@@ -232,11 +237,13 @@ def _rows_launch(x, k, silu_i, fmt, pow2_scales, col_major_scales):
     # contiguous elements: 64 rows make those 128-byte lines. On the H200 against a bf16 copy at
     # 4096x7168, x^T: 77 % of its bandwidth with 64 rows, 74 % with 32; x itself 82 % either way.
     block_m = 64 if x.stride(-1) != 1 else 32
+    lo = 0
     for xb, qb, sb, batch, xs, qs, ss in _batches(x, q, s):
         _quant_rows_kernel[(ceil_div(m, block_m), kb, batch)](
-            xb, qb, sb, m, k, silu_i, *xs, *qs[:2], *ss, SILU_MUL=silu_i > 0,
-            POW2=bool(pow2_scales), **_fmt_meta(dtype), BLOCK_M=block_m, GROUP_K=SCALE_BLOCK,
-            num_warps=4)
+            xb, qb, sb, masked_m[lo:] if masked_m is not None else xb, m, k, silu_i, *xs,
+            *qs[:2], *ss, SILU_MUL=silu_i > 0, POW2=bool(pow2_scales), **_fmt_meta(dtype),
+            BLOCK_M=block_m, GROUP_K=SCALE_BLOCK, MASKED=masked_m is not None, num_warps=4)
+        lo += batch
     return q, s
 
 
@@ -250,14 +257,18 @@ def quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
 
 
 def silu_mul_quantize_per_token(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
-                                col_major_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                                col_major_scales: bool = True,
+                                masked_m: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., T, 2I] (gate | up) -> quantize_per_token(silu(x[..., :I]) * x[..., I:]) computed in
-    FP32: (q [..., T, I] fp8, scales [..., T, ceil(I/128)] fp32)."""
+    FP32: (q [..., T, I] fp8, scales [..., T, ceil(I/128)] fp32). masked_m (int32 [G] contiguous,
+    x [G, T, 2I], checked by the caller): the rows at or past masked_m[g] are not read, their
+    scales are an all-zero group's and their fp8 values unwritten."""
     _check_input("x", x)
     if x.shape[-1] % 2:
         raise ValueError(f"x must be [..., T, 2I] (gate then up), got an odd last dim {x.shape[-1]}")
     i = x.shape[-1] // 2
-    return _rows_launch(x, i, i, fmt, pow2_scales, col_major_scales)
+    return _rows_launch(x, i, i, fmt, pow2_scales, col_major_scales, masked_m)
 
 
 def quantize_per_block(w: torch.Tensor, fmt: str = "e4m3", *,
@@ -331,8 +342,8 @@ def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
 
 
 def compile_kernels(target) -> list[tuple[str, object]]:
-    """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul and on a transposed
-    view, the transposing ones, per block with power-of-two scales) compiled ahead of time for
+    """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul, on the masked layout
+    and on a transposed view, the transposing ones, per block with power-of-two scales) compiled ahead of time for
     `target` (a
     triton.backends.compiler.GPUTarget; no GPU needed), with the launches' block sizes and warps:
     [(name, compiled kernel)]."""
@@ -340,9 +351,11 @@ def compile_kernels(target) -> list[tuple[str, object]]:
 
     meta = dict(_fmt_meta(torch.float8_e4m3fn), SOFT_ROUND=False)
     cases = [(_quant_rows_kernel, dict(SILU_MUL=True, POW2=False, BLOCK_M=32,
-                                       GROUP_K=SCALE_BLOCK), 4),
+                                       GROUP_K=SCALE_BLOCK, MASKED=False), 4),
+             (_quant_rows_kernel, dict(SILU_MUL=True, POW2=False, BLOCK_M=32,
+                                       GROUP_K=SCALE_BLOCK, MASKED=True), 4),  # decode MoE
              (_quant_rows_kernel, dict(SILU_MUL=False, POW2=False, BLOCK_M=64,
-                                       GROUP_K=SCALE_BLOCK), 4),  # a transposed view
+                                       GROUP_K=SCALE_BLOCK, MASKED=False), 4),  # a transposed view
              (_quant_cols_kernel, dict(POW2=False, GROUP_T=SCALE_BLOCK, BLOCK_C=64), 4),
              (_quant_block_kernel, dict(POW2=True, BLOCK=SCALE_BLOCK, TRANSPOSE=False), 8),
              (_quant_block_kernel, dict(POW2=False, BLOCK=SCALE_BLOCK, TRANSPOSE=True), 4)]
@@ -351,6 +364,8 @@ def compile_kernels(target) -> list[tuple[str, object]]:
         consts = dict(meta, **consts)
         sig = {name: "i32" for name in fn.arg_names}
         sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+        if "rows_ptr" in sig:
+            sig["rows_ptr"] = "*i32"
         sig.update({name: "constexpr" for name in consts})
         out.append((fn.__name__, triton.compile(ASTSource(fn, sig, consts), target=target,
                                                 options=dict(num_warps=warps))))
