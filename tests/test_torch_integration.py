@@ -92,17 +92,18 @@ def test_fp8_moe_matches_dense_per_token_computation(layout):
     assert fp8gemm.calc_diff(moe(x, ids, wts, layout=layout), ref) < 1e-2
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layout", ["masked", "contiguous", "offsets"])
-def test_fp8_moe_reads_no_unwritten_memory(layout, monkeypatch):
+def test_fp8_moe_reads_no_unwritten_memory(layout, device, monkeypatch):
     """Every buffer the layer allocates without zeroing starts as NaN (fp8: its NaN bytes): the
     output has the same bits, so no row of no token (the masked layout's rows past masked_m,
     padding rows) is read before it is written."""
     torch.manual_seed(1)
     g, h, i, t, topk = 4, 256, 192, 9, 2
-    moe = Fp8MoE(g, h, i)
+    moe = Fp8MoE(g, h, i, device=device)
     moe.load_weights(torch.randn(g, 2 * i, h) / 16, torch.randn(g, h, i) / 16)
-    x, wts = torch.randn(t, h), torch.rand(t, topk)
-    ids = torch.stack([torch.randperm(g)[:topk] for _ in range(t)])
+    x, wts = torch.randn(t, h, device=device), torch.rand(t, topk, device=device)
+    ids = torch.stack([torch.randperm(g)[:topk] for _ in range(t)]).to(device)
     want = moe(x, ids, wts, layout=layout)
     empty = torch.empty
 
