@@ -395,9 +395,11 @@ def is_pow2(s: torch.Tensor) -> bool:
     return bool((mantissa == 0.5).all())
 
 
-# Global memory accesses in SASS; L2 prefetches (UTMAPF, CCTL) are not among them.
+# Global memory accesses in SASS, and L1 prefetches (CCTL.E.PF1: L1 is not coherent, so a line
+# fetched before the wait could shadow what the grid before writes); L2 and descriptor prefetches
+# (UTMAPF, UTMACCTL.PF) are not among them.
 _SASS_GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|RED|REDG|ATOM|ATOMG|UTMALDG|UTMASTG|UTMAREDG|UBLKCP|"
-                                 r"UBLKRED|LDGSTS)\b")
+                                 r"UBLKRED|LDGSTS|CCTL\.E\.PF1)\b")
 
 
 def assert_waits_before_global_access(sass: str, what: str) -> None:

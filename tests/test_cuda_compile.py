@@ -489,14 +489,17 @@ def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:
 
 def test_pdl_check_catches_a_global_access_before_the_wait():
     """assert_waits_before_global_access (every kernel's compile test) fails where a load, a
-    TMA load or a store precedes griddepcontrol.wait, and lets L2 prefetches through."""
+    TMA load, a store or an L1 prefetch precedes griddepcontrol.wait, and lets L2 and descriptor
+    prefetches through."""
     def sass(*ops):
         return "\n".join(f"        /*{16 * i:04x}*/        {op} ;" for i, op in enumerate(ops))
 
-    assert_waits_before_global_access(sass("UTMAPF.L2.2D [UR4], [UR6]", "ACQBULK", "PREEXIT",
+    assert_waits_before_global_access(sass("UTMAPF.L2.2D [UR4], [UR6]", "UTMACCTL.PF [UR6]",
+                                           "ACQBULK", "PREEXIT", "CCTL.E.PF1 [R6]",
                                            "LDG.E R2, desc[UR4][R2.64]"), "ok")
     for early in ("LDG.E R2, desc[UR4][R2.64]", "UTMALDG.2D [UR8], [UR4]",
-                  "STG.E desc[UR4][R4.64], R7", "REDG.E.ADD.F32.FTZ.RN desc[UR4][R2.64], R5"):
+                  "STG.E desc[UR4][R4.64], R7", "REDG.E.ADD.F32.FTZ.RN desc[UR4][R2.64], R5",
+                  "@!P0 CCTL.E.PF1 [R6]"):
         with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
             assert_waits_before_global_access(sass(early, "ACQBULK", "PREEXIT"), "bad")
     with pytest.raises(AssertionError, match="no griddepcontrol.wait"):
@@ -602,6 +605,10 @@ def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
         seen.add((p.kind, p.n, p.k, cfg))
         _, compiled, _, _ = g.compile_kernel(p.kind, p.n, p.k, cfg)
         assert_clean_cubin(compiled, cfg, tool, tmp_path, f"{case} {cfg}")
+        # the scheduler's layout reads are prefetched into L1 (sm90_scheduler.cuh)
+        sass = subprocess.run([tool, "-sass", str(tmp_path / "k.cubin")], capture_output=True,
+                              text=True).stdout
+        assert "CCTL.E.PF1" in sass, f"{case} {cfg}: no L1 prefetch of the grouped layout"
 
 
 # Contiguous 128-row tiles in 2-CTA clusters sharing B (not offered by the heuristic): the configs

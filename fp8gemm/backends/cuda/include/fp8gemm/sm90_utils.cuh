@@ -171,6 +171,12 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const TmaDescriptor* des
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(desc)) : "memory");
 }
 
+// Bring the 128-byte line holding `p` into this SM's L1 without waiting: no register receives
+// it, so nothing stalls on it; a later ld.global.nc of the line hits L1.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<uint64_t>(p)));
+}
+
 // Bring `bytes` of global memory at `src` into L2 without waiting (both multiples of 16).
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<uint64_t>(src)),
