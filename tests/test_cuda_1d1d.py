@@ -530,6 +530,9 @@ def test_k_grouped_picked_kernels_compile_clean(tmp_path, monkeypatch):
     for n, cfg in sorted(seen, key=str):
         _, compiled, _, _ = g.compile_kernel(n, cfg, k_grouped=True)
         _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped N={n} {cfg}")
+        sass = subprocess.run([tool, "-sass", str(tmp_path / "k.cubin")], capture_output=True,
+                              text=True).stdout
+        assert "CCTL.E.PF1" in sass, f"k-grouped N={n} {cfg}: ks not prefetched into L1"
 
 
 def _k_operands(m, n, ks, device, a_dtype=E4M3):

@@ -392,7 +392,13 @@ struct Scheduler1d1d {
                                            uint32_t num_groups_)
       : dense(shape_m, nullptr, 1), ks(ks_), num_groups(num_groups_),
         num_m_blocks(ceil_div(shape_m, BLOCK_M)), shape_k(shape_k_), next_tile(blockIdx.x),
-        group(0), k_off(0), kb_off(0) {}
+        group(0), k_off(0), kb_off(0) {
+    // NOTE: every tile reads its group's ks entry and uses it at once (its k-block count), so
+    // each warp would wait for an L2 round trip at the start of each tile: ks goes to L1 now.
+    if constexpr (kKGrouped) {
+      for (uint32_t i = lane_idx() * 32; i < num_groups; i += 32 * 32) prefetch_l1(ks_ + i);
+    }
+  }
 
   // K of group g starting at column k_off: ks[g] clamped to [0, shape_k - k_off].
   __device__ __forceinline__ uint32_t group_k(uint32_t g) const {
