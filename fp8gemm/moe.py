@@ -43,7 +43,8 @@ class ContiguousLayout:
 
 @dataclass(frozen=True)
 class MaskedLayout:
-    """x: [G, Mmax, K] with expert g's tokens in rows :masked_m[g] (the rest zero); masked_m:
+    """x: [G, Mmax, K] with expert g's tokens in rows :masked_m[g] (the rest zero, unless
+    dispatched with zero_rest=False); masked_m:
     int32 [G]; row_of_slot: int64 [T, topk], flat index g * Mmax + row of each slot, -1 if
     dropped or beyond Mmax; token_of_row: int64 [G, Mmax], the token each row holds (0 past
     masked_m), with which `x2.index_select(0, token_of_row.flatten())` lays out any other
@@ -143,10 +144,13 @@ def moe_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_groups:
 
 
 def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int,
-                        max_m: int | None = None) -> MaskedLayout:
+                        max_m: int | None = None, *, zero_rest: bool = True) -> MaskedLayout:
     """Build the masked layout for `m_grouped_fp8_gemm_nt_masked`, with no host synchronisation
     (CUDA-graph safe). max_m defaults to T, which always suffices for distinct top-k experts;
-    slots beyond max_m in an expert are dropped (capacity limit)."""
+    slots beyond max_m in an expert are dropped (capacity limit). zero_rest=False leaves x's
+    rows past masked_m unwritten (any values) instead of zero, for consumers that read only the
+    rows below masked_m (the masked GEMM; `silu_mul_quantize_per_token(masked_m=)`): at decode
+    most of the G x max_m rows hold no token, and the fill writes all of them."""
     _check_routing(x, topk_ids, num_groups)
     t = x.shape[0]
     if max_m is None:
@@ -161,7 +165,8 @@ def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int
     rows = num_groups * max_m
     dest = torch.where(kept, flat_row, rows)
     token = order // topk_ids.shape[1]
-    xm = torch.zeros((rows + 1, x.shape[1]), dtype=x.dtype, device=x.device)
+    xm = (torch.zeros if zero_rest else torch.empty)((rows + 1, x.shape[1]), dtype=x.dtype,
+                                                     device=x.device)
     src = x[token]
     if xm.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # index_copy_ has no CPU fp8 kernel
         xm, src = xm.view(torch.uint8), src.view(torch.uint8)

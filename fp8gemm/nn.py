@@ -698,8 +698,9 @@ class Fp8MoE(nn.Module):
     def _forward_masked(self, x, topk_ids, topk_weights, max_m, expected_m, weights):
         # NOTE: the T tokens are quantised, not the G x Mmax rows of the layout (at decode four
         # times as many, mostly empty); the dispatch moves fp8 rows, and their scales follow.
+        # Nothing reads the layout's rows past masked_m, so the dispatch leaves them unwritten.
         a, sa = quant.quantize_per_token(x, self.fmt, pow2_scales=self.pow2_scales)
-        lay = moe_dispatch_masked(a, topk_ids, self.num_experts, max_m)
+        lay = moe_dispatch_masked(a, topk_ids, self.num_experts, max_m, zero_rest=False)
         sa = get_col_major_tma_aligned_tensor(
             sa.index_select(0, lay.token_of_row.flatten()).view(*lay.x.shape[:2], -1))
         em = expected_m if expected_m is not None else max(

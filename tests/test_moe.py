@@ -151,6 +151,38 @@ def test_masked_roundtrip(dropped):
         assert (out[3] == 0).all()
 
 
+def test_masked_dispatch_without_the_zero_fill(monkeypatch):
+    """zero_rest=False: the rows below masked_m and everything else of the layout as with the
+    fill; the rows past masked_m are what the allocation held (NaN here), and the masked GEMM
+    over them gives the same result in the rows below masked_m."""
+    t, topk, g, n, k = 30, 2, 4, 200, 320
+    x = torch.randn(t, k, dtype=torch.bfloat16)
+    ids, weights = routing(t, topk, g, dropped=True)
+    wb, _ = experts(g, n, k)
+    xq, sx = fp8gemm.quantize_per_token(x)
+    want = fp8gemm.moe_dispatch_masked(xq, ids, g, max_m=12)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.view(torch.uint8).fill_(0x7F).view(out.dtype) if out.element_size() == 1 else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = fp8gemm.moe_dispatch_masked(xq, ids, g, max_m=12, zero_rest=False)
+    monkeypatch.undo()
+    rows = torch.arange(12)[None, :] < want.masked_m[:, None]
+    assert torch.equal(got.x.view(torch.uint8)[rows], want.x.view(torch.uint8)[rows])
+    assert bool((got.x.view(torch.uint8)[~rows] == 0x7F).all()) and bool((~rows).any())
+    for name in ("masked_m", "row_of_slot", "token_of_row"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    sa = sx.index_select(0, got.token_of_row.flatten()).view(g, 12, -1)
+    ys = [fp8gemm.m_grouped_fp8_gemm_nt_masked((lay.x, sa), wb, None, lay.masked_m,
+                                               out_dtype=FP32, backend="reference")
+          for lay in (want, got)]
+    assert torch.equal(fp8gemm.moe_combine_masked(ys[1], got, weights),
+                       fp8gemm.moe_combine_masked(ys[0], want, weights))
+
+
 def test_masked_capacity_max_m():
     """Slots beyond max_m in an expert are dropped (the first max_m in token order are kept)."""
     t, topk, g, n, k, max_m = 40, 2, 3, 200, 320, 6

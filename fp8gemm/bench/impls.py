@@ -889,7 +889,7 @@ def _fp8_pipeline(md: MoeData, gemm: Callable, masked: bool):
         """Fp8MoE's order: the tokens quantised, then their fp8 rows and scales laid out."""
         a, sa = fp8gemm.quantize_per_token(md.x)
         if masked:
-            lay = fp8gemm.moe_dispatch_masked(a, md.topk_ids, g)
+            lay = fp8gemm.moe_dispatch_masked(a, md.topk_ids, g, zero_rest=False)
             rows = lay.token_of_row.flatten()
         else:
             lay = fp8gemm.moe_dispatch_contiguous(a, md.topk_ids, g)
@@ -898,22 +898,29 @@ def _fp8_pipeline(md: MoeData, gemm: Callable, masked: bool):
             sa.index_select(0, rows).view(*lay.x.shape[:-1], -1))
         return lay, sa
 
+    def middle(lay):
+        """The first GEMM's output buffer, and its SiLU·mul quantisation. Contiguous: zeros, as
+        the fp8gemm ops allocate (the quantiser reads the padding rows, which no GEMM writes);
+        masked: unzeroed, its rows past masked_m unread (as Fp8MoE does)."""
+        shape, kw = (*lay.x.shape[:-1], 2 * i), dict(dtype=md.x.dtype, device=md.x.device)
+        mid = torch.empty(shape, **kw) if masked else torch.zeros(shape, **kw)
+        return mid, lambda: fp8gemm.silu_mul_quantize_per_token(
+            mid, masked_m=lay.masked_m if masked else None)
+
     def run():
         lay, sa = dispatch()
-        # NOTE: zeros, as the fp8gemm ops allocate: rows no GEMM writes (padding, past
-        # masked_m) must not feed NaN into the next quantisation.
-        mid = torch.zeros(*lay.x.shape[:-1], 2 * i, dtype=md.x.dtype, device=md.x.device)
+        mid, quantise = middle(lay)
         gemm(lay.x, sa, md.w13, md.s13, mid, lay)
-        a2, sa2 = fp8gemm.silu_mul_quantize_per_token(mid)
+        a2, sa2 = quantise()
         y = torch.empty(*lay.x.shape[:-1], h, dtype=md.x.dtype, device=md.x.device)
         gemm(a2, sa2, md.w2, md.s2, y, lay)
         combine = fp8gemm.moe_combine_masked if masked else fp8gemm.moe_combine_contiguous
         return combine(y, lay, md.topk_weights).to(md.x.dtype)
 
     lay, sa = dispatch()
-    mid = torch.zeros(*lay.x.shape[:-1], 2 * i, dtype=md.x.dtype, device=md.x.device)
+    mid, quantise = middle(lay)
     gemm(lay.x, sa, md.w13, md.s13, mid, lay)
-    a2, sa2 = fp8gemm.silu_mul_quantize_per_token(mid)
+    a2, sa2 = quantise()
     y = torch.empty(*lay.x.shape[:-1], h, dtype=md.x.dtype, device=md.x.device)
 
     def gemms():
@@ -922,7 +929,7 @@ def _fp8_pipeline(md: MoeData, gemm: Callable, masked: bool):
 
     def quantisation():
         fp8gemm.quantize_per_token(md.x)
-        fp8gemm.silu_mul_quantize_per_token(mid)
+        quantise()
 
     return run, {"GEMMs": gemms, "quantisation": quantisation}
 
