@@ -21,6 +21,10 @@ __all__ = ["ContiguousLayout", "MaskedLayout", "moe_dispatch_contiguous", "moe_c
 # torch code in one run (scripts/moe_combine_ab.py): the combine 69 us against 2366, the whole
 # Fp8MoE layer 1565 us against 3994; at 128 tokens 7 us against 96. Off: the torch code everywhere.
 TRITON_COMBINE = True
+# The masked dispatch likewise (two launches where the torch code makes about thirty small ones,
+# which at decode take longer than moving the rows), up to the slots x experts that
+# backends/triton/moe.py's `dispatch_fits` takes. Off: the torch code everywhere.
+TRITON_DISPATCH = True
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,13 @@ def moe_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int
         max_m = t
     if not isinstance(max_m, int) or max_m < 0:
         raise ValueError(f"max_m must be a non-negative int, got {max_m!r}")
+    if _triton_dispatch_runs(x, topk_ids, num_groups):
+        from .backends.triton.moe import masked_dispatch
+
+        xm, masked_m, row_of_slot, token_of_row = masked_dispatch(x, topk_ids, num_groups, max_m,
+                                                                  zero_rest)
+        return MaskedLayout(xm.view(num_groups, max_m, x.shape[1]), masked_m,
+                            row_of_slot.view(topk_ids.shape), token_of_row.view(num_groups, max_m))
     order, expert, rank, counts = _sort_slots(topk_ids, num_groups)
     kept = (expert < num_groups) & (rank < max_m)
     flat_row = torch.where(kept, expert.clamp_max(num_groups - 1) * max_m + rank, -1)
@@ -211,6 +222,19 @@ class _TritonCombine(torch.autograd.Function):
         gy, gw = moe_combine_backward(grad_out, y_rows, row_of_slot, topk_weights,
                                       ctx.needs_input_grad[0], ctx.needs_input_grad[2])
         return gy, None, gw
+
+
+def _triton_dispatch_runs(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int) -> bool:
+    """The Triton masked dispatch on a CUDA GPU it runs on, outside torch.compile's tracing, for
+    the sizes it takes."""
+    if not TRITON_DISPATCH or not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    from .backends import triton_runs_on
+    from .backends.triton.moe import dispatch_fits
+
+    return (dispatch_fits(topk_ids.numel(), num_groups)
+            and triton_runs_on(x.device.index if x.device.index is not None
+                               else torch.cuda.current_device()))
 
 
 def _triton_combine_runs(y_rows: torch.Tensor) -> bool:

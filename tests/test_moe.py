@@ -393,6 +393,90 @@ def test_triton_combine_interpreted():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
 
 
+_DISPATCH_CASES = """
+import torch
+import fp8gemm
+import fp8gemm.moe as moe_module
+from fp8gemm.backends.triton.moe import dispatch_fits, masked_dispatch
+
+CASES = [  # (T, topk, G, max_m or None, ids dtype, x dtype, K)
+    (50, 3, 5, None, torch.int64, torch.bfloat16, 320), (40, 2, 3, 6, torch.int32, torch.float32, 7),
+    (64, 8, 33, 9, torch.int64, torch.float8_e4m3fn, 200), (16, 4, 300, None, torch.int64,
+    torch.bfloat16, 16), (7, 2, 1, 3, torch.int32, torch.float8_e4m3fn, 130),
+    (0, 4, 6, None, torch.int64, torch.bfloat16, 64), (9, 2, 4, 0, torch.int64, torch.bfloat16, 8),
+    (300, 8, 32, 128, torch.int32, torch.float8_e4m3fn, 256)]
+
+def case(t, topk, g, ids_dtype, x_dtype, k, device):
+    gen = torch.Generator().manual_seed(t * 7 + g)
+    x = torch.randn(t, k, generator=gen).to(x_dtype)
+    ids = torch.randint(-2, g + 2, (t, topk), generator=gen)
+    if ids_dtype == torch.int64 and ids.numel():
+        ids.view(-1)[::5] = (1 << 40) + 1  # a value that narrowed to int32 would be expert 1
+    return x.to(device), ids.to(ids_dtype).to(device)
+
+def check(device):
+    for t, topk, g, max_m, ids_dtype, x_dtype, k in CASES:
+        x, ids = case(t, topk, g, ids_dtype, x_dtype, k, device)
+        m = t if max_m is None else max_m
+        assert dispatch_fits(ids.numel(), g)
+        want = fp8gemm.moe_dispatch_masked(x.cpu(), ids.cpu(), g, max_m)  # the torch code
+        for zero_rest in (True, False):
+            xm, masked_m, row_of_slot, token_of_row = masked_dispatch(x, ids, g, m, zero_rest)
+            what = (t, topk, g, max_m, zero_rest)
+            assert torch.equal(masked_m.cpu(), want.masked_m), what
+            assert torch.equal(row_of_slot.cpu().view(t, topk), want.row_of_slot), what
+            assert torch.equal(token_of_row.cpu().view(g, m), want.token_of_row), what
+            got = xm.cpu().view(g, m, k).view(torch.uint8)
+            exp = want.x.view(torch.uint8)
+            live = torch.arange(m)[None, :] < want.masked_m[:, None]
+            assert torch.equal(got[live], exp[live]), what
+            if zero_rest:
+                assert torch.equal(got, exp), what
+"""
+
+
+def test_triton_masked_dispatch_interpreted():
+    """The Triton masked dispatch under TRITON_INTERPRET=1 gives the torch code's layout bit for
+    bit: ids outside [0, G) (an int64 one that int32 would wrap into range), capacity drops,
+    one expert, experts not a power of two and more than 256, no tokens, max_m = 0, fp8, bf16
+    and fp32 rows of odd byte counts, with and without the zero fill."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    code = _DISPATCH_CASES + "check('cpu')\nprint('ok')\n"
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600, check=False)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_triton_masked_dispatch_on_the_gpu(gpu_device, monkeypatch):
+    """The Triton dispatch on CUDA tensors against the torch code, and as the public dispatch
+    runs it (TRITON_DISPATCH), also inside a CUDA graph replayed with new routing."""
+    import fp8gemm.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "TRITON_DISPATCH", True)
+    namespace = {}
+    exec(_DISPATCH_CASES, namespace)
+    namespace["check"](gpu_device)
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device=gpu_device)
+    ids = torch.randint(0, 8, (64, 4), device=gpu_device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lay = fp8gemm.moe_dispatch_masked(x, ids, 8, 64)
+    for _ in range(2):
+        ids.copy_(torch.randint(-1, 9, (64, 4), device=gpu_device))
+        graph.replay()
+        want = fp8gemm.moe_dispatch_masked(x.cpu(), ids.cpu(), 8, 64)
+        for name in ("x", "masked_m", "row_of_slot", "token_of_row"):
+            assert torch.equal(getattr(lay, name).cpu(), getattr(want, name)), name
+
+
 @pytest.mark.gpu
 def test_triton_combine_on_the_gpu(gpu_device, monkeypatch):
     """The Triton kernel on CUDA tensors, alone and as the public combine runs it with
@@ -416,7 +500,8 @@ def test_triton_combine_on_the_gpu(gpu_device, monkeypatch):
 
 
 def test_triton_combine_compiles_for_sm90():
-    """The combine kernels as launched (bf16, top-8) compile for sm_90a with no local memory."""
+    """The combine and masked-dispatch kernels as launched compile for sm_90a with no local
+    memory."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -425,7 +510,7 @@ def test_triton_combine_compiles_for_sm90():
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("Triton without its ptxas")
     compiled = kernels.compile_kernels(GPUTarget("cuda", 90, 32))
-    assert len(compiled) == 2  # forward and backward
+    assert len(compiled) == 4  # the combine forward and backward, the dispatch's two
     for name, k in compiled:
         assert "ld.local" not in k.asm["ptx"] and "st.local" not in k.asm["ptx"], name
         assert "ld.global" in k.asm["ptx"], name

@@ -1,4 +1,12 @@
-"""The MoE combine in Triton: each token's weighted sum of its experts' output rows,
+"""The MoE masked dispatch and combine in Triton.
+
+The dispatch lays the routed rows out as `fp8gemm.moe.moe_dispatch_masked` specifies (its torch
+code is the specification, bit for bit) in two launches where the torch code makes about thirty
+small ones: one program ranks every slot within its expert (a running one-hot prefix sum over
+the slots in token order: the torch code's stable sort) and writes the row maps and the counts;
+then one program per slot and block of columns copies the token's row to its place.
+
+The combine: each token's weighted sum of its experts' output rows,
 
     out[t] = sum over k of topk_weights[t, k] * y[row_of_slot[t, k]]     (row -1: dropped slot)
 
@@ -16,9 +24,95 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_combine", "moe_combine_backward"]
+__all__ = ["masked_dispatch", "dispatch_fits", "moe_combine", "moe_combine_backward"]
 
 BLOCK_N = 1024
+# The ranking program holds [BLOCK_S, BLOCK_G] one-hot counts (BLOCK_G: the experts rounded up to
+# a power of two): DISPATCH_TILE elements, 16 per thread of its 4 warps.
+DISPATCH_TILE = 2048
+# Its work grows with slots x experts in one program (one SM): it takes the decode sizes (top-8
+# of 256 tokens over 32 local experts is 1 << 16) and leaves larger ones to the torch code.
+DISPATCH_MAX_WORK = 1 << 17
+DISPATCH_MAX_GROUPS = 1024
+DISPATCH_BLOCK_BYTES = 1024
+
+
+def dispatch_fits(slots: int, num_groups: int) -> bool:
+    """Whether `masked_dispatch` takes this many slots and experts."""
+    g = triton.next_power_of_2(max(num_groups, 1))
+    return num_groups <= DISPATCH_MAX_GROUPS and slots * g <= DISPATCH_MAX_WORK
+
+
+@triton.jit
+def _masked_route_kernel(ids_ptr, row_of_slot_ptr, token_of_row_ptr, masked_m_ptr, S, G, MAX_M,
+                         TOPK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_Z: tl.constexpr):
+    """One program: slot s (token s // TOPK) of expert e gets rank = the slots of e before it,
+    row e * MAX_M + rank if that is below MAX_M (else it is dropped, -1, as a slot of no expert
+    in [0, G)); masked_m[e] = min(slots of e, MAX_M); token_of_row: each kept slot's token, 0 on
+    the other rows."""
+    num_rows = G * MAX_M
+    for r0 in range(0, num_rows, BLOCK_Z):
+        r = r0 + tl.arange(0, BLOCK_Z)
+        tl.store(token_of_row_ptr + r, tl.zeros([BLOCK_Z], dtype=tl.int64), mask=r < num_rows)
+    tl.debug_barrier()  # (the zeros land before any thread writes a token over them)
+    experts = tl.arange(0, BLOCK_G)
+    seen = tl.zeros([BLOCK_G], dtype=tl.int32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        valid = s < S
+        e = tl.load(ids_ptr + s, mask=valid, other=-1)
+        e = tl.where((e >= 0) & (e < G), e, -1).to(tl.int32)  # (compared before narrowing)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=0) - hot + seen[None, :]
+        rank = tl.sum(hot * before, axis=1)
+        seen += tl.sum(hot, axis=0)
+        kept = (e >= 0) & (rank < MAX_M)
+        row = tl.where(kept, e.to(tl.int64) * MAX_M + rank, -1)
+        tl.store(row_of_slot_ptr + s, row, mask=valid)
+        tl.store(token_of_row_ptr + tl.maximum(row, 0), (s // TOPK).to(tl.int64),
+                 mask=valid & kept)
+    tl.store(masked_m_ptr + experts, tl.minimum(seen, MAX_M), mask=experts < G)
+
+
+@triton.jit
+def _masked_rows_kernel(x_ptr, row_of_slot_ptr, out_ptr, ROW_BYTES, stride_x, stride_out,
+                        TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """Slot s's token row (bytes) to its row of the layout; a dropped slot copies nothing."""
+    s = tl.program_id(0)
+    row = tl.load(row_of_slot_ptr + s)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = (cols < ROW_BYTES) & (row >= 0)
+    v = tl.load(x_ptr + (s // TOPK).to(tl.int64) * stride_x + cols, mask=m)
+    tl.store(out_ptr + tl.maximum(row, 0) * stride_out + cols, v, mask=m)
+
+
+def masked_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int, max_m: int,
+                    zero_rest: bool):
+    """x [T, K] (any dtype), topk_ids [T, topk] int32/int64 on x's device (checked by the caller,
+    `dispatch_fits`) -> (x laid out [G * max_m, K], masked_m int32 [G], row_of_slot int64
+    [T * topk], token_of_row int64 [G * max_m]), as `fp8gemm.moe.moe_dispatch_masked` builds
+    them; x's rows past masked_m zero with zero_rest, else unwritten."""
+    t, topk = topk_ids.shape
+    slots, rows, k = t * topk, num_groups * max_m, x.shape[1]
+    dev = x.device
+    xm = (torch.zeros if zero_rest else torch.empty)((rows, k), dtype=x.dtype, device=dev)
+    masked_m = torch.empty(num_groups, dtype=torch.int32, device=dev)
+    row_of_slot = torch.empty(slots, dtype=torch.int64, device=dev)
+    token_of_row = torch.empty(rows, dtype=torch.int64, device=dev)
+    block_g = triton.next_power_of_2(max(num_groups, 1))
+    _masked_route_kernel[(1,)](
+        topk_ids.contiguous(), row_of_slot, token_of_row, masked_m, slots, num_groups, max_m,
+        TOPK=max(topk, 1), BLOCK_S=max(DISPATCH_TILE // block_g, 2), BLOCK_G=block_g,
+        BLOCK_Z=1024, num_warps=4)
+    if slots and rows and k:
+        xb = (x if x.stride(-1) == 1 else x.contiguous()).view(torch.uint8)
+        xmb = xm.view(torch.uint8)
+        row_bytes = xb.shape[1]
+        _masked_rows_kernel[(slots, triton.cdiv(row_bytes, DISPATCH_BLOCK_BYTES))](
+            xb, row_of_slot, xmb, row_bytes, xb.stride(0), xmb.stride(0), TOPK=topk,
+            BLOCK=DISPATCH_BLOCK_BYTES, num_warps=4)
+    return xm, masked_m, row_of_slot, token_of_row
 
 
 @triton.jit
@@ -103,23 +197,27 @@ def moe_combine_backward(grad_out: torch.Tensor, y_rows: torch.Tensor, row_of_sl
 
 
 def compile_kernels(target) -> list[tuple[str, object]]:
-    """The combine kernels, forward and backward (bf16 rows, top-8, as the launches' block and
-    warps), compiled ahead of time for `target` (a triton.backends.compiler.GPUTarget; no GPU needed): [(name, kernel)]."""
+    """The combine kernels, forward and backward (bf16 rows, top-8), and the masked dispatch's
+    two (int64 ids, 32 experts, top-8), with the launches' blocks and warps, compiled ahead of
+    time for `target` (a triton.backends.compiler.GPUTarget; no GPU needed): [(name, kernel)]."""
     from triton.compiler import ASTSource
 
+    def build(fn, consts, **types):
+        sig = {name: "i32" for name in fn.arg_names}
+        sig.update(types)
+        sig.update({name: "constexpr" for name in consts})
+        return fn.__name__, triton.compile(ASTSource(fn, sig, consts), target=target,
+                                           options=dict(num_warps=4))
+
     consts = dict(TOPK=8, BLOCK_N=BLOCK_N)
-    sig = {name: "i32" for name in _combine_kernel.arg_names}
-    sig.update(y_ptr="*bf16", row_ptr="*i64", w_ptr="*fp32", out_ptr="*bf16")
-    sig.update({name: "constexpr" for name in consts})
-    out = [(_combine_kernel.__name__,
-            triton.compile(ASTSource(_combine_kernel, sig, consts), target=target,
-                           options=dict(num_warps=4)))]
-    consts = dict(consts, NEED_GY=True, NEED_GW=True)
-    sig = {name: "i32" for name in _combine_backward_kernel.arg_names}
-    sig.update(g_ptr="*bf16", y_ptr="*bf16", row_ptr="*i64", w_ptr="*fp32", gy_ptr="*bf16",
-               gw_ptr="*fp32")
-    sig.update({name: "constexpr" for name in consts})
-    out.append((_combine_backward_kernel.__name__,
-                triton.compile(ASTSource(_combine_backward_kernel, sig, consts), target=target,
-                               options=dict(num_warps=4))))
-    return out
+    both = dict(consts, NEED_GY=True, NEED_GW=True)
+    return [build(_combine_kernel, consts, y_ptr="*bf16", row_ptr="*i64", w_ptr="*fp32",
+                  out_ptr="*bf16"),
+            build(_combine_backward_kernel, both, g_ptr="*bf16", y_ptr="*bf16", row_ptr="*i64",
+                  w_ptr="*fp32", gy_ptr="*bf16", gw_ptr="*fp32"),
+            build(_masked_route_kernel, dict(TOPK=8, BLOCK_S=DISPATCH_TILE // 32, BLOCK_G=32,
+                                             BLOCK_Z=1024),
+                  ids_ptr="*i64", row_of_slot_ptr="*i64", token_of_row_ptr="*i64",
+                  masked_m_ptr="*i32"),
+            build(_masked_rows_kernel, dict(TOPK=8, BLOCK=DISPATCH_BLOCK_BYTES), x_ptr="*u8",
+                  row_of_slot_ptr="*i64", out_ptr="*u8")]
