@@ -466,6 +466,7 @@ def test_triton_masked_dispatch_on_the_gpu(gpu_device, monkeypatch):
     namespace["check"](gpu_device)
     x = torch.randn(64, 512, dtype=torch.bfloat16, device=gpu_device)
     ids = torch.randint(0, 8, (64, 4), device=gpu_device)
+    fp8gemm.moe_dispatch_masked(x, ids, 8, 64)  # (compiles the kernels before the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         lay = fp8gemm.moe_dispatch_masked(x, ids, 8, 64)
