@@ -18,7 +18,7 @@ __all__ = ["ContiguousLayout", "MaskedLayout", "moe_dispatch_contiguous", "moe_c
 # On a GPU the combine and its gradients run as Triton kernels (backends/triton/moe.py); the torch
 # code is their specification and runs elsewhere and while torch.compile traces. On the H200 at
 # the moe-layer suite's 4096 tokens (one rank's 32 experts of DeepSeek-V3), timed against the
-# torch code in one run (scripts/moe_combine_ab.py): the combine 69 us against 2366, the whole
+# torch code in one run (scripts/moe_triton_ab.py): the combine 69 us against 2366, the whole
 # Fp8MoE layer 1565 us against 3994; at 128 tokens 7 us against 96. Off: the torch code everywhere.
 TRITON_COMBINE = True
 # The masked dispatch likewise (two launches where the torch code makes about thirty small ones,

@@ -517,29 +517,34 @@ def test_triton_combine_compiles_for_sm90():
         assert "ld.global" in k.asm["ptx"], name
 
 
-def test_combine_ab_script_toggles_and_restores_the_switch():
-    """scripts/moe_combine_ab.py (the H200 A/B of the two combines): its switch wrapper sets
-    TRITON_COMBINE for one call only, even when the call raises; without a GPU it says so."""
+def test_triton_ab_script_toggles_and_restores_the_switches():
+    """scripts/moe_triton_ab.py (the H200 A/B of the Triton MoE kernels and the torch code): its
+    switch wrapper sets TRITON_COMBINE or TRITON_DISPATCH for one call only, even when the call
+    raises; without a GPU it says so."""
     import importlib.util
 
     import fp8gemm.moe as moe_module
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "moe_combine_ab.py"
-    spec = importlib.util.spec_from_file_location("moe_combine_ab", path)
+    path = Path(__file__).resolve().parent.parent / "scripts" / "moe_triton_ab.py"
+    spec = importlib.util.spec_from_file_location("moe_triton_ab", path)
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
-    before = moe_module.TRITON_COMBINE
-    assert ab.with_combine(not before, lambda: moe_module.TRITON_COMBINE)() is (not before)
-    assert moe_module.TRITON_COMBINE is before
 
     def boom():
         raise RuntimeError("x")
 
-    with pytest.raises(RuntimeError):
-        ab.with_combine(not before, boom)()
-    assert moe_module.TRITON_COMBINE is before
+    for switch in ("combine", "dispatch"):
+        name = f"TRITON_{switch.upper()}"
+        before = getattr(moe_module, name)
+        assert ab.with_switch(switch, not before, lambda: getattr(moe_module, name))() is (
+            not before)
+        assert getattr(moe_module, name) is before
+        with pytest.raises(RuntimeError):
+            ab.with_switch(switch, not before, boom)()
+        assert getattr(moe_module, name) is before
     if not torch.cuda.is_available():
         assert ab.main([]) == 2
+        assert ab.main(["--switch", "dispatch"]) == 2
 
 
 def test_layer_profile_script_steps_run_on_the_cpu():
