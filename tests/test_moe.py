@@ -375,10 +375,9 @@ def check_grads(device):
 """
 
 
-def test_triton_combine_interpreted():
-    """The Triton combine against the torch spec under TRITON_INTERPRET=1: dropped slots (NaN
-    weights, NaN rows nobody names), several column blocks, no rows, no tokens, N = 1; its
-    gradients against float64."""
+def _run_interpreted(code: str) -> None:
+    """Run `code` in a fresh Python under TRITON_INTERPRET=1 (read when Triton is imported), the
+    repository first on its path; it must finish without an exception."""
     pytest.importorskip("triton")
     import os
     import subprocess
@@ -387,10 +386,16 @@ def test_triton_combine_interpreted():
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = _COMBINE_CASES + "check('cpu')\ncheck_grads('cpu')\nprint('ok')\n"
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=600, check=False)
+    r = subprocess.run([sys.executable, "-c", code + "print('ok')\n"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def test_triton_combine_interpreted():
+    """The Triton combine against the torch spec under TRITON_INTERPRET=1: dropped slots (NaN
+    weights, NaN rows nobody names), several column blocks, no rows, no tokens, N = 1; its
+    gradients against float64."""
+    _run_interpreted(_COMBINE_CASES + "check('cpu')\ncheck_grads('cpu')\n")
 
 
 _DISPATCH_CASES = """
@@ -440,18 +445,7 @@ def test_triton_masked_dispatch_interpreted():
     bit: ids outside [0, G) (an int64 one that int32 would wrap into range), capacity drops,
     one expert, experts not a power of two and more than 256, no tokens, max_m = 0, fp8, bf16
     and fp32 rows of odd byte counts, with and without the zero fill."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    code = _DISPATCH_CASES + "check('cpu')\nprint('ok')\n"
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=600, check=False)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    _run_interpreted(_DISPATCH_CASES + "check('cpu')\n")
 
 
 @pytest.mark.gpu
