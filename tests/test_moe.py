@@ -405,10 +405,13 @@ import fp8gemm.moe as moe_module
 from fp8gemm.backends.triton.moe import dispatch_fits, masked_dispatch
 
 CASES = [  # (T, topk, G, max_m or None, ids dtype, x dtype, K)
-    (50, 3, 5, None, torch.int64, torch.bfloat16, 320), (40, 2, 3, 6, torch.int32, torch.float32, 7),
-    (64, 8, 33, 9, torch.int64, torch.float8_e4m3fn, 200), (16, 4, 300, None, torch.int64,
-    torch.bfloat16, 16), (7, 2, 1, 3, torch.int32, torch.float8_e4m3fn, 130),
-    (0, 4, 6, None, torch.int64, torch.bfloat16, 64), (9, 2, 4, 0, torch.int64, torch.bfloat16, 8),
+    (50, 3, 5, None, torch.int64, torch.bfloat16, 320),
+    (40, 2, 3, 6, torch.int32, torch.float32, 7),
+    (64, 8, 33, 9, torch.int64, torch.float8_e4m3fn, 200),
+    (16, 4, 300, None, torch.int64, torch.bfloat16, 16),
+    (7, 2, 1, 3, torch.int32, torch.float8_e4m3fn, 130),
+    (0, 4, 6, None, torch.int64, torch.bfloat16, 64),
+    (9, 2, 4, 0, torch.int64, torch.bfloat16, 8),
     (300, 8, 32, 128, torch.int32, torch.float8_e4m3fn, 256)]
 
 def case(t, topk, g, ids_dtype, x_dtype, k, device):

@@ -343,10 +343,9 @@ def quantize_per_token_transposed(x: torch.Tensor, fmt: str = "e4m3", *,
 
 def compile_kernels(target) -> list[tuple[str, object]]:
     """The quantisation kernels (bf16 in, e4m3 out; per token with SiLU*mul, on the masked layout
-    and on a transposed view, the transposing ones, per block with power-of-two scales) compiled ahead of time for
-    `target` (a
-    triton.backends.compiler.GPUTarget; no GPU needed), with the launches' block sizes and warps:
-    [(name, compiled kernel)]."""
+    and on a transposed view, the transposing ones, per block with power-of-two scales) compiled
+    ahead of time for `target` (a triton.backends.compiler.GPUTarget; no GPU needed), with the
+    launches' block sizes and warps: [(name, compiled kernel)]."""
     from triton.compiler import ASTSource
 
     meta = dict(_fmt_meta(torch.float8_e4m3fn), SOFT_ROUND=False)
