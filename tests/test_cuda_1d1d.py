@@ -266,7 +266,7 @@ def test_every_picked_kernel_compiles_clean(tmp_path, monkeypatch):
             seen.setdefault((n, g.DENSE.select_config(problem(m, n, k), facts)), (m, n, k))
     # the widest with vector stores, and with the odd-N scalar ones
     forced = [(bm, bn, False, n) for bm in g.BLOCK_M_CHOICES
-              for bn, n in ((g.BLOCK_N_CHOICES[bm][-1], 7168), (g.ODD_N_MAX_BLOCK_N[bm], 131))]
+              for bn, n in ((g.BLOCK_N_CHOICES[bm][-1], 7168), (g.BLOCK_N_CHOICES[bm][-1], 131))]
     forced += [(bm, g.TWO_ACCUM_MAX_BLOCK_N[bm], True, 7168) for bm in g.BLOCK_M_CHOICES]
     for bm, bn, two, n in forced + [(bm, bn, two, FORCED_N) for bm, bn, two in FORCED_TILES]:
         cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132,
@@ -300,15 +300,15 @@ def test_e5m2_a_kernels_compile_clean(tmp_path, monkeypatch):
 
 
 def test_one_past_the_widest_tile_spills(tmp_path, monkeypatch):
-    """BLOCK_N_CHOICES, K_GROUPED_BLOCK_N_CHOICES and ODD_N_MAX_BLOCK_N stop where ptxas starts
-    spilling (the stated register budget)."""
+    """BLOCK_N_CHOICES (for an even and an odd N) and K_GROUPED_BLOCK_N_CHOICES stop where ptxas
+    starts spilling (the stated register budget)."""
     compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
     for bm in g.BLOCK_M_CHOICES:
         for what, widest, n, k_grouped in (
                 ("BLOCK_N_CHOICES", g.BLOCK_N_CHOICES[bm][-1], 7168, False),
                 ("K_GROUPED_BLOCK_N_CHOICES", g.K_GROUPED_BLOCK_N_CHOICES[bm][-1], 7168, True),
-                ("ODD_N_MAX_BLOCK_N", g.ODD_N_MAX_BLOCK_N[bm], 131, False)):
+                ("BLOCK_N_CHOICES (odd N)", g.BLOCK_N_CHOICES[bm][-1], 131, False)):
             bn = widest + 8
             cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block),
                                    g.BAND_SIZE, 132)

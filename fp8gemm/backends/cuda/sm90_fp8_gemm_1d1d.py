@@ -31,7 +31,7 @@ __all__ = ["Sm90Config1d1d", "Sm90Fp8Gemm1d1d", "Sm90KGroupedFp8Gemm1d1d", "DENS
            "smem_bytes", "max_stages",
            "num_threads", "tile_cost", "candidate_tiles", "kernel_source", "compile_kernel",
            "BLOCK_K", "BLOCK_M_CHOICES", "BLOCK_N_CHOICES", "K_GROUPED_BLOCK_N_CHOICES",
-           "ODD_N_MAX_BLOCK_N", "TALL_BLOCK_N_CHOICES", "launcher"]
+           "TALL_BLOCK_N_CHOICES", "launcher"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 # NOTE: one k-block is one scale block of both operands: partial sums are promoted every 128 of K.
@@ -39,14 +39,13 @@ BLOCK_K = SCALE_BLOCK
 BLOCK_M_CHOICES = (64, 128)
 # NOTE: each math thread holds the wgmma accumulator and the FP32 sums (BLOCK_N/2 floats each) and
 # the stage's B scales of its columns (BLOCK_N/4), loaded before the wgmma is issued. With two
-# math warpgroups (232 registers each) 176 is the widest tile ptxas compiles without spills for
-# an even N (184 spills 72 bytes); an odd N (single-float stores) and the k-grouped walk keep a
-# few more registers live, and there 176 spills 12 and 4 bytes: 168. One warpgroup (256
-# registers) takes 192 (200 spills 56 bytes), 184 k-grouped (192 spills 8). wgmma's 256 would
-# need 256 registers for the two accumulators alone.
+# math warpgroups (232 registers each) 176 is the widest tile ptxas compiles without spills,
+# for an even or an odd N (single-float stores; 184 spills 72 and 88 bytes); the k-grouped walk
+# keeps a few more registers live, and there 176 spills 4 bytes: 168. One warpgroup (256 registers)
+# takes 192 (200 spills 56 bytes), 184 k-grouped (192 spills 8). wgmma's 256 would need 256
+# registers for the two accumulators alone.
 BLOCK_N_CHOICES = {128: tuple(range(16, 177, 8)), 64: tuple(range(16, 193, 8))}
 K_GROUPED_BLOCK_N_CHOICES = {128: tuple(range(16, 169, 8)), 64: tuple(range(16, 185, 8))}
-ODD_N_MAX_BLOCK_N = {128: 168, 64: 192}
 # NOTE: BLOCK_M = 256 runs two waves of 128 rows per k-block through the one accumulator (as the
 # 1D2D family's 256-row tiles): a k-block's loads feed twice the FLOPs of 128 rows (256x120 reads
 # 6.1 bytes of A and B per 1000 FLOPs, 128x128 7.8). Each thread then holds both waves' FP32 sums,
@@ -188,8 +187,6 @@ def candidate_tiles(m: int, n: int, facts: DeviceFacts, groups: int = 1,
         for bn in choices[bm]:
             if bn > align(n, 8) and bn != choices[bm][0]:
                 continue  # wider than N: only zero columns
-            if n % 2 and bn > ODD_N_MAX_BLOCK_N[bm]:
-                continue
             stages = max_stages(bm, bn, facts.smem_per_block)
             if stages == 0:
                 continue

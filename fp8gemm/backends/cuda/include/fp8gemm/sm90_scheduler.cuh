@@ -208,8 +208,14 @@ struct TileScheduler {
     const uint32_t first = band * kBand;
     const uint32_t extent = num_banded - first < kBand ? num_banded - first : kBand;
     const uint32_t in_band = tile - band * tiles_per_band;
-    other = in_band / extent;
-    banded = first + in_band % extent;
+    // (every band but the last is kBand wide: a shift and a mask there, not a division)
+    if (extent == kBand) {
+      other = in_band / kBand;
+      banded = first + in_band % kBand;
+    } else {
+      other = in_band / extent;
+      banded = first + in_band % extent;
+    }
   }
 
   // Offsets, masked: rows of group g, clamped so that bad values never address outside A or D.
