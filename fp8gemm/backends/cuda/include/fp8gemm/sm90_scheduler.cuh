@@ -93,6 +93,9 @@ struct TileScheduler {
   // Contiguous: the groups of the first and last row of the next tile's block, loaded one tile
   // ahead so that the common case (both the same group) costs no wait on global memory.
   int32_t ahead_first, ahead_last;
+  // Contiguous (not pairs): the (m, n) coordinates of tiles next_tile and next_tile + step, each
+  // computed once, as the latter, and kept (a band walk divides).
+  uint32_t ahead_m, ahead_n, after_m, after_n;
   // Contiguous: the block (m0, n-block) of the tile just returned, when it holds rows of several
   // groups (a layout not aligned to BLOCK_M): the groups after extra_group in it run next, on the
   // same n-block in the same CTA, so the repeated work spreads over the CTAs as the tiles do.
@@ -109,7 +112,8 @@ struct TileScheduler {
       : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
         num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks * kNumSplits), next_tile(blockIdx.x),
         group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
-        ahead_first(-1), ahead_last(-1), extra_m0(0), extra_n(0), extra_group(0), extra_last(-1) {
+        ahead_first(-1), ahead_last(-1), ahead_m(0), ahead_n(0), after_m(0), after_n(0),
+        extra_m0(0), extra_n(0), extra_group(0), extra_last(-1) {
     if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
       // NOTE: the whole layout (G or G + 1 int32) goes to L1 at once: a warp advancing past a
       // group must read the next one's bounds before it knows its tile, and from L1 that wait
@@ -124,7 +128,18 @@ struct TileScheduler {
       rank = cluster_cta_rank();
       own.cur = peer.cur = -1;
     }
-    if constexpr (kKind == kKindContiguous) look_ahead();
+    if constexpr (kKind == kKindContiguous) {
+      if (!kPairs && next_tile < num_tiles) tile_coords(next_tile, num_items_m(), after_m, after_n);
+      look_ahead();
+    }
+  }
+
+  // Contiguous: items along M (m-blocks; pairs: pairs of them) and the step between a CTA's.
+  __device__ __forceinline__ uint32_t num_items_m() const {
+    return kPairs ? ceil_div(ceil_div(shape_m, BLOCK_M), 2u) : ceil_div(shape_m, BLOCK_M);
+  }
+  __device__ __forceinline__ static uint32_t item_step() {
+    return kPairs ? gridDim.x / 2 : gridDim.x;
   }
 
   // Pairs: the walk of the block at m0 from its first tile, given the groups of its first and
@@ -153,24 +168,29 @@ struct TileScheduler {
     }
   }
 
-  // Contiguous: the first and last row groups of tile next_tile's block (pairs: of item
-  // next_tile's two blocks, this CTA's and its peer's).
+  // Contiguous, with next_tile just advanced: its coordinates (ahead_m, ahead_n: the previous
+  // call's after_m, after_n) and the first and last row groups of its block (pairs: of item
+  // next_tile's two blocks, this CTA's and its peer's); the coordinates of the tile after it.
   // NOTE: every warp waits here for these loads at the start of each tile (ptxas puts the group
   // checks right after them), so the block of the item after next_tile is sent to L1 now: the
   // next call's loads, and the scan of a block of several groups, then wait on L1, not L2.
   __device__ __forceinline__ void look_ahead() {
     if (next_tile >= num_tiles) return;
-    const uint32_t num_items_m = kPairs ? ceil_div(ceil_div(shape_m, BLOCK_M), 2u)
-                                        : ceil_div(shape_m, BLOCK_M);
     constexpr uint32_t kStep = kPairs ? 2 : 1;  // m-blocks an item holds
-    const uint32_t step = kPairs ? gridDim.x / 2 : gridDim.x;
     uint32_t m_block, n_block;
-    if (next_tile + step < num_tiles) {
-      tile_coords(next_tile + step, num_items_m, m_block, n_block);
-      const uint32_t row = m_block * kStep * BLOCK_M + lane_idx() * 32;
+    if constexpr (kPairs) {  // (pairs recompute: their walk leaves no registers to keep these)
+      tile_coords(next_tile, num_items_m(), m_block, n_block);
+    } else {
+      ahead_m = after_m, ahead_n = after_n;
+      m_block = ahead_m;
+    }
+    if (next_tile + item_step() < num_tiles) {
+      uint32_t m_after, n_after;
+      tile_coords(next_tile + item_step(), num_items_m(), m_after, n_after);
+      if constexpr (!kPairs) after_m = m_after, after_n = n_after;
+      const uint32_t row = m_after * kStep * BLOCK_M + lane_idx() * 32;
       if (lane_idx() < kStep * BLOCK_M / 32 && row < shape_m) prefetch_l1(layout + row);
     }
-    tile_coords(next_tile, num_items_m, m_block, n_block);
     if constexpr (kPairs) {
       edge_groups((2 * m_block + (rank ^ 1)) * BLOCK_M, peer_ahead_first, peer_ahead_last);
       m_block = 2 * m_block + rank;
@@ -297,8 +317,8 @@ struct TileScheduler {
       while (own.cur < 0 && peer.cur < 0) {
         if (next_tile >= num_tiles) return false;
         uint32_t pair, n_block;
-        tile_coords(next_tile, ceil_div(ceil_div(shape_m, BLOCK_M), 2u), pair, n_block);
-        next_tile += gridDim.x / 2;
+        tile_coords(next_tile, num_items_m(), pair, n_block);
+        next_tile += item_step();
         const int32_t first = ahead_first, last = ahead_last;
         const int32_t peer_first = peer_ahead_first, peer_last = peer_ahead_last;
         look_ahead();
@@ -328,12 +348,10 @@ struct TileScheduler {
         t.full = false, t.b_once = false, t.halves = 3;
         return true;
       }
-      const uint32_t num_m_blocks = ceil_div(shape_m, BLOCK_M);
       // A block of padding only is skipped: no loads, no MMA, no stores.
       while (next_tile < num_tiles) {
-        uint32_t m_block, n_block;
-        tile_coords(next_tile, num_m_blocks, m_block, n_block);
-        next_tile += gridDim.x;
+        const uint32_t m_block = ahead_m, n_block = ahead_n;
+        next_tile += item_step();
         const int32_t first = ahead_first, last = ahead_last;
         look_ahead();
         t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
