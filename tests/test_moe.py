@@ -401,7 +401,6 @@ def test_triton_combine_interpreted():
 _DISPATCH_CASES = """
 import torch
 import fp8gemm
-import fp8gemm.moe as moe_module
 from fp8gemm.backends.triton.moe import dispatch_fits, masked_dispatch
 
 CASES = [  # (T, topk, G, max_m or None, ids dtype, x dtype, K)
