@@ -21,9 +21,10 @@ __all__ = ["ContiguousLayout", "MaskedLayout", "moe_dispatch_contiguous", "moe_c
 # torch code in one run (scripts/moe_triton_ab.py): the combine 69 us against 2366, the whole
 # Fp8MoE layer 1565 us against 3994; at 128 tokens 7 us against 96. Off: the torch code everywhere.
 TRITON_COMBINE = True
-# The masked dispatch likewise (two launches where the torch code makes about thirty small ones,
-# which at decode take longer than moving the rows), up to the slots x experts that
-# backends/triton/moe.py's `dispatch_fits` takes. Off: the torch code everywhere.
+# The masked dispatch likewise (two launches where the torch code makes about thirty small ones
+# on a few thousand slots at decode; scripts/moe_triton_ab.py --switch dispatch times both), up
+# to the slots x experts that backends/triton/moe.py's `dispatch_fits` takes. Off: the torch code
+# everywhere.
 TRITON_DISPATCH = True
 
 
