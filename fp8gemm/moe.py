@@ -225,29 +225,29 @@ class _TritonCombine(torch.autograd.Function):
         return gy, None, gw
 
 
-def _triton_dispatch_runs(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int) -> bool:
-    """The Triton masked dispatch on a CUDA GPU it runs on, outside torch.compile's tracing, for
-    the sizes it takes."""
-    if not TRITON_DISPATCH or not x.is_cuda or torch.compiler.is_compiling():
+def _triton_runs_for(t: torch.Tensor) -> bool:
+    """A Triton kernel on t: a CUDA tensor on a GPU Triton runs on, outside torch.compile's
+    tracing (which traces the torch code, each kernel's specification)."""
+    if not t.is_cuda or torch.compiler.is_compiling():
         return False
     from .backends import triton_runs_on
+
+    return triton_runs_on(t.device.index if t.device.index is not None
+                          else torch.cuda.current_device())
+
+
+def _triton_dispatch_runs(x: torch.Tensor, topk_ids: torch.Tensor, num_groups: int) -> bool:
+    """The Triton masked dispatch, for the sizes it takes."""
+    if not TRITON_DISPATCH or not _triton_runs_for(x):
+        return False
     from .backends.triton.moe import dispatch_fits
 
-    return (dispatch_fits(topk_ids.numel(), num_groups)
-            and triton_runs_on(x.device.index if x.device.index is not None
-                               else torch.cuda.current_device()))
+    return dispatch_fits(topk_ids.numel(), num_groups)
 
 
 def _triton_combine_runs(y_rows: torch.Tensor) -> bool:
-    """The Triton combine on a CUDA GPU it runs on, outside torch.compile's tracing (which
-    traces the torch code, the kernel's specification)."""
-    if (not TRITON_COMBINE or not y_rows.is_cuda or y_rows.stride(-1) != 1
-            or torch.compiler.is_compiling()):
-        return False
-    from .backends import triton_runs_on
-
-    return triton_runs_on(y_rows.device.index if y_rows.device.index is not None
-                          else torch.cuda.current_device())
+    """The Triton combine, on rows of unit column stride."""
+    return TRITON_COMBINE and y_rows.stride(-1) == 1 and _triton_runs_for(y_rows)
 
 
 def _combine_torch(y_rows: torch.Tensor, row_of_slot: torch.Tensor, topk_weights: torch.Tensor):
