@@ -263,6 +263,19 @@ def test_contiguous_walk(walker, cfg, groups, mean, align, grid, seed):
     assert walker(cfg, grid, len(layout), layout, groups) == want
 
 
+@pytest.mark.parametrize("groups", [8, 32])
+def test_contiguous_walk_bench_layout(walker, groups):
+    """The moe-skewed suite's expert sizes, padded as the ops pad them, in 128x192 tiles on
+    N = 7168 (38 n-blocks, bands of 16) over 132 CTAs: the benchmark's own walk."""
+    from fp8gemm.bench.suites import skewed_sizes as suite_sizes
+    from fp8gemm.layout import CONTIGUOUS_M_ALIGNMENT
+    cfg = Sched(CONTIGUOUS, 128, 38, 16)
+    layout = contiguous_layout(random.Random(0), list(suite_sizes(groups * 1024, groups)),
+                               CONTIGUOUS_M_ALIGNMENT)
+    assert walker(cfg, 132, len(layout), layout, groups) == expected_contiguous(cfg, 132, layout,
+                                                                                 groups)
+
+
 @pytest.mark.parametrize("cfg", CONTIGUOUS_CFGS, ids=str)
 def test_contiguous_padding_only(walker, cfg):
     """Blocks of padding are skipped: a layout of padding alone has no tiles."""
