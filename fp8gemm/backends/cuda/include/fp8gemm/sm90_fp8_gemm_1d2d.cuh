@@ -330,11 +330,8 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
       // (pairs: the tile's B comes through the leader's multicast, else each CTA loads its own)
       const bool multicast_b = kNumTMAMulticast > 1 && !kIsMulticastOnA && (!kPairs || t.multicast);
-      // NOTE: not unrolled: the producer has 40 registers, and ptxas's unrolled copies of this
-      // loop (at 16 k-blocks) made it spill the contiguous scheduler's state to local memory.
-      // The thread mostly waits for a free stage, so a branch per k-block costs nothing.
-#pragma unroll 1
-      for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) {
+      // One k-block's loads into the current stage.
+      auto load_k_block = [&](uint32_t kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, tx_bytes);
@@ -367,6 +364,17 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                         sa_m0 + static_cast<int32_t>(j * 128), static_cast<int32_t>(kb));
         }
         if (++stage == kNumStages) stage = 0, phase ^= 1;
+      };
+      if constexpr (kKind == kKindDense) {
+        for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) load_k_block(kb);
+      } else {
+        // NOTE: not unrolled for the grouped kinds: the producer has 40 registers, and
+        // ptxas's unrolled copies of this loop (at 16 k-blocks) made it spill the contiguous
+        // scheduler's state to local memory. Dense tiles keep ptxas's unrolling (four k-blocks
+        // a pass): with a loop of one k-block, decode tiles (64 rows, 16-64 wide) and the
+        // narrow long-K tiles (128x32 at K = 32768) ran 5-11 % slower on the H200.
+#pragma unroll 1
+        for (uint32_t kb = kb_begin(t); kb < kb1; ++kb) load_k_block(kb);
       }
     };
     if constexpr (kKind == kKindContiguous) {
