@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode chains with and without programmatic dependent launch (FP8GEMM_PDL), on a Hopper GPU.
 
-    python scripts/pdl_chain.py [--links 16] [--rounds 3] [--json out.json]
+    python scripts/pdl_chain.py [--links 16] [--rounds 3] [--json out.json] [--headers NAME=DIR]
 
 A chain is what a decode step runs per linear layer: the CUDA per-token quantiser on the layer's
 bf16 input, then the GEMM with that layer's own fp8 weight (every link has its own B, so none
@@ -11,6 +11,9 @@ MoE). Each chain's graph replay is timed as the benchmark times a call (fp8gemm.
 median of 30 runs, L2 flushed, launch hidden behind a sleep), in two child processes, FP8GEMM_PDL=1
 and =0, taking turns `--rounds` times; printed per link, with the ratio off / on. FP8GEMM_PDL
 is read when a kernel's launch configuration is built, hence a process per mode.
+--headers NAME=DIR (as scripts/cuda_tiles.py takes it) also times the chains with the GEMM
+kernels built from DIR's headers (the quantiser stays this tree's), on and off, in the same
+rounds: a kernel change judged where PDL overlaps it. DIR's kernels need the dependency wait.
 """
 
 from __future__ import annotations
@@ -45,10 +48,20 @@ def time_graph(fn, links: int, timer) -> float:
     return statistics.median(timer.time_us(graph.replay, host_us=REPLAY_HOST_US)) / links
 
 
-def child(links: int) -> dict:
+def child(links: int, include: str) -> dict:
+    """The chains' µs per link, with the GEMM kernels built from `include` when given."""
+    sys.path.insert(0, str(ROOT))
+    if include:
+        import cuda_tiles  # (beside this script)
+
+        with cuda_tiles.kernel_headers(Path(include), {}):
+            return chains(links)
+    return chains(links)
+
+
+def chains(links: int) -> dict:
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import fp8gemm
     from fp8gemm.bench.timing import DeviceTimer
 
@@ -87,25 +100,35 @@ def main() -> None:
     ap.add_argument("--links", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--headers", default="",
+                    help="NAME=DIR,...: also the chains with GEMM kernels from DIR's headers")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--include", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.links)))
+        print(json.dumps(child(args.links, args.include)))
         return
-    runs = {"1": [], "0": []}
+    import cuda_tiles  # (beside this script)
+
+    # (column, FP8GEMM_PDL, include folder: "" for this tree's headers)
+    modes = [("on", "1", ""), ("off", "0", "")]
+    for name, inc in cuda_tiles.parse_headers(args.headers).items():
+        modes += [(f"on@{name}", "1", str(inc)), (f"off@{name}", "0", str(inc))]
+    runs: dict[str, list] = {col: [] for col, _, _ in modes}
     for _ in range(args.rounds):
-        for mode in ("1", "0"):
-            env = dict(os.environ, FP8GEMM_PDL=mode)
-            res = subprocess.run([sys.executable, __file__, "--child", "--links", str(args.links)],
-                                 env=env, capture_output=True, text=True, check=True)
-            runs[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
+        for col, pdl, inc in modes:
+            env = dict(os.environ, FP8GEMM_PDL=pdl)
+            res = subprocess.run([sys.executable, __file__, "--child", "--links", str(args.links),
+                                  "--include", inc], env=env, capture_output=True, text=True,
+                                 check=True)
+            runs[col].append(json.loads(res.stdout.strip().splitlines()[-1]))
     rows = []
-    print(f"{'chain':36s} {'PDL on us/link':>15s} {'off':>8s} {'off/on':>7s}")
-    for key in runs["1"][0]:
-        on = statistics.median(r[key] for r in runs["1"])
-        off = statistics.median(r[key] for r in runs["0"])
-        rows.append({"chain": key, "pdl_us": on, "no_pdl_us": off})
-        print(f"{key:36s} {on:15.2f} {off:8.2f} {off / on:7.3f}")
+    print(f"{'chain (us/link)':36s}" + "".join(f" {col:>10s}" for col in runs) + "  off/on")
+    for key in runs["on"][0]:
+        med = {col: statistics.median(r[key] for r in rs) for col, rs in runs.items()}
+        rows.append({"chain": key, **{f"{col}_us": v for col, v in med.items()}})
+        print(f"{key:36s}" + "".join(f" {v:10.2f}" for v in med.values())
+              + f"  {med['off'] / med['on']:6.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": runs, "rows": rows}, indent=1))
 
