@@ -89,7 +89,7 @@ def walker(tmp_path_factory):
     (d / "configs.inc").write_text("\n".join(_config_line(i, c) for i, c in enumerate(CONFIGS))
                                    + "\n")
     exe = d / "walk"
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall", "-Werror",
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall",
                             "-Wno-unknown-pragmas", "-o", str(exe), str(d / "walk.cpp")],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
