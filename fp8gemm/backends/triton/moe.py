@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._aot import compile_ahead
+
 __all__ = ["masked_dispatch", "dispatch_fits", "moe_combine", "moe_combine_backward"]
 
 BLOCK_N = 1024
@@ -200,24 +202,14 @@ def compile_kernels(target) -> list[tuple[str, object]]:
     """The combine kernels, forward and backward (bf16 rows, top-8), and the masked dispatch's
     two (int64 ids, 32 experts, top-8), with the launches' blocks and warps, compiled ahead of
     time for `target` (a triton.backends.compiler.GPUTarget; no GPU needed): [(name, kernel)]."""
-    from triton.compiler import ASTSource
-
-    def build(fn, consts, **types):
-        sig = {name: "i32" for name in fn.arg_names}
-        sig.update(types)
-        sig.update({name: "constexpr" for name in consts})
-        return fn.__name__, triton.compile(ASTSource(fn, sig, consts), target=target,
-                                           options=dict(num_warps=4))
-
     consts = dict(TOPK=8, BLOCK_N=BLOCK_N)
     both = dict(consts, NEED_GY=True, NEED_GW=True)
-    return [build(_combine_kernel, consts, y_ptr="*bf16", row_ptr="*i64", w_ptr="*fp32",
-                  out_ptr="*bf16"),
-            build(_combine_backward_kernel, both, g_ptr="*bf16", y_ptr="*bf16", row_ptr="*i64",
-                  w_ptr="*fp32", gy_ptr="*bf16", gw_ptr="*fp32"),
-            build(_masked_route_kernel, dict(TOPK=8, BLOCK_S=DISPATCH_TILE // 32, BLOCK_G=32,
-                                             BLOCK_Z=1024),
-                  ids_ptr="*i64", row_of_slot_ptr="*i64", token_of_row_ptr="*i64",
-                  masked_m_ptr="*i32"),
-            build(_masked_rows_kernel, dict(TOPK=8, BLOCK=DISPATCH_BLOCK_BYTES), x_ptr="*u8",
-                  row_of_slot_ptr="*i64", out_ptr="*u8")]
+    route = dict(TOPK=8, BLOCK_S=DISPATCH_TILE // 32, BLOCK_G=32, BLOCK_Z=1024)
+    return [compile_ahead(_combine_kernel, consts, target, y_ptr="*bf16", row_ptr="*i64",
+                          w_ptr="*fp32", out_ptr="*bf16"),
+            compile_ahead(_combine_backward_kernel, both, target, g_ptr="*bf16", y_ptr="*bf16",
+                          row_ptr="*i64", w_ptr="*fp32", gy_ptr="*bf16", gw_ptr="*fp32"),
+            compile_ahead(_masked_route_kernel, route, target, ids_ptr="*i64",
+                          row_of_slot_ptr="*i64", token_of_row_ptr="*i64", masked_m_ptr="*i32"),
+            compile_ahead(_masked_rows_kernel, dict(TOPK=8, BLOCK=DISPATCH_BLOCK_BYTES), target,
+                          x_ptr="*u8", row_of_slot_ptr="*i64", out_ptr="*u8")]

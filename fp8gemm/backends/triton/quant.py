@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ...layout import empty_token_scales
 from ...problem import SCALE_BLOCK, ceil_div
+from ._aot import compile_ahead
 
 __all__ = ["quantize_per_token", "quantize_per_block", "silu_mul_quantize_per_token",
            "quantize_per_token_transposed", "quantize_per_block_transposed"]
@@ -346,8 +347,6 @@ def compile_kernels(target) -> list[tuple[str, object]]:
     and on a transposed view, the transposing ones, per block with power-of-two scales) compiled
     ahead of time for `target` (a triton.backends.compiler.GPUTarget; no GPU needed), with the
     launches' block sizes and warps: [(name, compiled kernel)]."""
-    from triton.compiler import ASTSource
-
     meta = dict(_fmt_meta(torch.float8_e4m3fn), SOFT_ROUND=False)
     cases = [(_quant_rows_kernel, dict(SILU_MUL=True, POW2=False, BLOCK_M=32,
                                        GROUP_K=SCALE_BLOCK, MASKED=False), 4),
@@ -358,14 +357,6 @@ def compile_kernels(target) -> list[tuple[str, object]]:
              (_quant_cols_kernel, dict(POW2=False, GROUP_T=SCALE_BLOCK, BLOCK_C=64), 4),
              (_quant_block_kernel, dict(POW2=True, BLOCK=SCALE_BLOCK, TRANSPOSE=False), 8),
              (_quant_block_kernel, dict(POW2=False, BLOCK=SCALE_BLOCK, TRANSPOSE=True), 4)]
-    out = []
-    for fn, consts, warps in cases:
-        consts = dict(meta, **consts)
-        sig = {name: "i32" for name in fn.arg_names}
-        sig.update(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
-        if "rows_ptr" in sig:
-            sig["rows_ptr"] = "*i32"
-        sig.update({name: "constexpr" for name in consts})
-        out.append((fn.__name__, triton.compile(ASTSource(fn, sig, consts), target=target,
-                                                options=dict(num_warps=warps))))
-    return out
+    return [compile_ahead(fn, dict(meta, **consts), target, warps, x_ptr="*bf16",
+                          q_ptr="*fp8e4nv", s_ptr="*fp32", rows_ptr="*i32")
+            for fn, consts, warps in cases]
