@@ -53,6 +53,11 @@ struct BlockGroups {
   uint32_t halves;  // bit h: half h of the block (lanes 16h..16h+15) has rows of `first`
 };
 
+// n int32 at p (a grouped layout, ks) sent to L1 by the warp, a 128-byte line a lane in turn.
+__device__ __forceinline__ void prefetch_words_l1(const int32_t* p, uint32_t n) {
+  for (uint32_t i = lane_idx() * 32; i < n; i += 32 * 32) prefetch_l1(p + i);
+}
+
 // The group of row `row` of a contiguous layout; -1 for padding, rows past M and out-of-range
 // indices (a bad index is never used to address B).
 __device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row, uint32_t shape_m,
@@ -118,8 +123,7 @@ struct TileScheduler {
       // NOTE: the whole layout (G or G + 1 int32) goes to L1 at once: a warp advancing past a
       // group must read the next one's bounds before it knows its tile, and from L1 that wait
       // is a few dozen cycles instead of an L2 round trip per group.
-      const uint32_t entries = kKind == kKindOffsets ? num_groups + 1 : num_groups;
-      for (uint32_t i = lane_idx() * 32; i < entries; i += 32 * 32) prefetch_l1(layout_ + i);
+      prefetch_words_l1(layout_, kKind == kKindOffsets ? num_groups + 1 : num_groups);
       if (num_groups > 0) load_group(0);
     }
     if constexpr (kPairs) {
@@ -420,7 +424,7 @@ struct Scheduler1d1d {
     // NOTE: every tile reads its group's ks entry and uses it at once (its k-block count), so
     // each warp would wait for an L2 round trip at the start of each tile: ks goes to L1 now.
     if constexpr (kKGrouped) {
-      for (uint32_t i = lane_idx() * 32; i < num_groups; i += 32 * 32) prefetch_l1(ks_ + i);
+      prefetch_words_l1(ks_, num_groups);
     }
   }
 
