@@ -108,12 +108,13 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.links, args.include)))
         return
-    import cuda_tiles  # (beside this script)
-
     # (column, FP8GEMM_PDL, include folder: "" for this tree's headers)
     modes = [("on", "1", ""), ("off", "0", "")]
-    for name, inc in cuda_tiles.parse_headers(args.headers).items():
-        modes += [(f"on@{name}", "1", str(inc)), (f"off@{name}", "0", str(inc))]
+    if args.headers:
+        import cuda_tiles  # (beside this script)
+
+        for name, inc in cuda_tiles.parse_headers(args.headers).items():
+            modes += [(f"on@{name}", "1", str(inc)), (f"off@{name}", "0", str(inc))]
     runs: dict[str, list] = {col: [] for col, _, _ in modes}
     for _ in range(args.rounds):
         for col, pdl, inc in modes:
