@@ -114,12 +114,12 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   const uint32_t lane = lane_idx();
 
   // --- barrier setup ----------------------------------------------------------------------------
-  // NOTE: the B boxes of the first kNumStages k-blocks go to L2 before the dependency wait (see
-  // grid_dependency_wait): launched while the kernel before it still runs (PDL), the GEMM starts
-  // streaming B from HBM meanwhile, and its first TMA loads hit L2.
+  // NOTE: the B boxes of the first kPrefetchKBlocks k-blocks go to L2 before the dependency wait
+  // (see grid_dependency_wait and the dense kernel): launched while the kernel before it still
+  // runs (PDL), the GEMM starts streaming B from HBM meanwhile, and its first TMA loads hit L2.
   if (threadIdx.x == kNumMathThreads) {
     tma_prefetch_descriptor(&tmap_b);
-    for (uint32_t kb = kb_begin; kb < kb_end && kb < kb_begin + kNumStages; ++kb)
+    for (uint32_t kb = kb_begin; kb < kb_end && kb < kb_begin + kPrefetchKBlocks; ++kb)
       tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K), static_cast<int32_t>(n0));
     tma_prefetch_descriptor(&tmap_a);
     tma_prefetch_descriptor(&tmap_sa);

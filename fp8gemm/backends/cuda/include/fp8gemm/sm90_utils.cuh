@@ -183,6 +183,10 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes
                "r"(bytes) : "memory");
 }
 
+// k-blocks of a decode GEMM's first tile whose B boxes go to L2 before the PDL dependency wait
+// (the dense and small-M kernels).
+constexpr uint32_t kPrefetchKBlocks = 2;
+
 // Bring the box at (c0, c1) of a 2-D tensor map into L2 without waiting (no shared memory, no
 // barrier).
 __device__ __forceinline__ void tma_prefetch_l2_2d(const TmaDescriptor* desc, int32_t c0,
