@@ -22,6 +22,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -412,6 +413,19 @@ def assert_waits_before_global_access(sass: str, what: str) -> None:
     assert any("PREEXIT" in line for line in lines), f"{what}: no launch_dependents (PREEXIT)"
     early = [line.strip() for line in lines[:wait] if _SASS_GLOBAL_ACCESS.search(line)]
     assert not early, f"{what}: global access before griddepcontrol.wait: {early[:3]}"
+    # The L2 prefetch of B before the wait stays short: a ring's worth of boxes queued ahead of the
+    # ring's own loads and cost decode GEMMs 3-7 % (docs/cuda.md, programmatic dependent launch).
+    prefetches = sum("UTMAPF" in line for line in lines[:wait])
+    assert prefetches <= prefetch_k_blocks(), \
+        f"{what}: {prefetches} L2 box prefetches before griddepcontrol.wait"
+
+
+def prefetch_k_blocks() -> int:
+    """kPrefetchKBlocks of sm90_utils.cuh: the k-blocks of B a decode GEMM sends to L2 before
+    its dependency wait."""
+    text = (Path(__file__).resolve().parents[1] / "fp8gemm" / "backends" / "cuda" / "include" /
+            "fp8gemm" / "sm90_utils.cuh").read_text()
+    return int(re.search(r"kPrefetchKBlocks = (\d+);", text).group(1))
 
 
 def assert_close_diff(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:

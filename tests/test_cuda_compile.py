@@ -506,6 +506,9 @@ def test_pdl_check_catches_a_global_access_before_the_wait():
         assert_waits_before_global_access(sass("LDG.E R2, desc[UR4][R2.64]", "PREEXIT"), "bad")
     with pytest.raises(AssertionError, match="no launch_dependents"):
         assert_waits_before_global_access(sass("ACQBULK"), "bad")
+    with pytest.raises(AssertionError, match="L2 box prefetches"):
+        assert_waits_before_global_access(
+            sass(*["UTMAPF.L2.2D [UR4], [UR6]"] * 3, "ACQBULK", "PREEXIT"), "bad")
 
 
 # --- the grouped family ----------------------------------------------------------------------------

@@ -266,10 +266,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       Tile t;
       if (first.next(t)) {
         const uint32_t kb0 = kb_begin(t), kb1 = kb_end(t);
-        const uint32_t n = kb1 - kb0 < kPrefetchKBlocks ? kb1 - kb0 : kPrefetchKBlocks;
-        for (uint32_t i = 0; i < n; ++i)
-          tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>((kb0 + i) * BLOCK_K),
-                             static_cast<int32_t>(t.n_block * BLOCK_N));
+#pragma unroll
+        for (uint32_t kb = kb0; kb < kb0 + kPrefetchKBlocks; ++kb)
+          if (kb < kb1)
+            tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K),
+                               static_cast<int32_t>(t.n_block * BLOCK_N));
       }
     }
   }

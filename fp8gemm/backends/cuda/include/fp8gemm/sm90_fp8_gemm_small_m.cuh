@@ -119,8 +119,10 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   // runs (PDL), the GEMM starts streaming B from HBM meanwhile, and its first TMA loads hit L2.
   if (threadIdx.x == kNumMathThreads) {
     tma_prefetch_descriptor(&tmap_b);
-    for (uint32_t kb = kb_begin; kb < kb_end && kb < kb_begin + kPrefetchKBlocks; ++kb)
-      tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K), static_cast<int32_t>(n0));
+#pragma unroll
+    for (uint32_t kb = kb_begin; kb < kb_begin + kPrefetchKBlocks; ++kb)
+      if (kb < kb_end)
+        tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K), static_cast<int32_t>(n0));
     tma_prefetch_descriptor(&tmap_a);
     tma_prefetch_descriptor(&tmap_sa);
   }
