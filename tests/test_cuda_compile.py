@@ -489,8 +489,8 @@ def assert_clean_cubin(compiled, cfg, tool, tmp_path, what: str) -> None:
 
 def test_pdl_check_catches_a_global_access_before_the_wait():
     """assert_waits_before_global_access (every kernel's compile test) fails where a load, a
-    TMA load, a store or an L1 prefetch precedes griddepcontrol.wait, and lets L2 and descriptor
-    prefetches through."""
+    TMA load, a store, an L1 prefetch or more than kPrefetchKBlocks L2 box prefetches precede
+    griddepcontrol.wait, and lets those L2 and descriptor prefetches through."""
     def sass(*ops):
         return "\n".join(f"        /*{16 * i:04x}*/        {op} ;" for i, op in enumerate(ops))
 
