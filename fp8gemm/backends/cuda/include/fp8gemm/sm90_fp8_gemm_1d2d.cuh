@@ -254,23 +254,15 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     if constexpr (kNumSplits == 1) return kNumKBlocks;
     else return (t.split + 1) * kNumKBlocks / kNumSplits;
   };
-  // NOTE: a dense CTA's first tile follows from blockIdx alone, so the B boxes of its first
-  // kPrefetchKBlocks k-blocks are sent to L2 before the dependency wait: launched while the
-  // kernel before it still runs (PDL), the GEMM starts streaming B (the weights, nearly all the
-  // bytes at decode) from HBM meanwhile, and its first TMA loads hit L2. Two k-blocks, not a
-  // ring's worth: the prefetches queue ahead of the ring's own loads in the memory system, and a
-  // ring's worth cost a lone decode GEMM 3-7 % and a PDL chain link 1-14 % on the H200.
+  // NOTE: a dense CTA's first tile follows from blockIdx alone, so its first B boxes can go to
+  // L2 before the dependency wait (prefetch_first_b_l2).
   if constexpr (kKind == kKindDense) {
     if (threadIdx.x == kNumMathThreads) {
       Scheduler first(shape_m, grouped_layout, num_groups);  // (dense: arithmetic only)
       Tile t;
       if (first.next(t)) {
-        const uint32_t kb0 = kb_begin(t), kb1 = kb_end(t);
-#pragma unroll
-        for (uint32_t kb = kb0; kb < kb0 + kPrefetchKBlocks; ++kb)
-          if (kb < kb1)
-            tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K),
-                               static_cast<int32_t>(t.n_block * BLOCK_N));
+        prefetch_first_b_l2<BLOCK_K>(&tmap_b, kb_begin(t), kb_end(t),
+                                     static_cast<int32_t>(t.n_block * BLOCK_N));
       }
     }
   }

@@ -114,15 +114,11 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   const uint32_t lane = lane_idx();
 
   // --- barrier setup ----------------------------------------------------------------------------
-  // NOTE: the B boxes of the first kPrefetchKBlocks k-blocks go to L2 before the dependency wait
-  // (see grid_dependency_wait and the dense kernel): launched while the kernel before it still
-  // runs (PDL), the GEMM starts streaming B from HBM meanwhile, and its first TMA loads hit L2.
+  // NOTE: the first B boxes go to L2 before the dependency wait (prefetch_first_b_l2, and
+  // grid_dependency_wait below).
   if (threadIdx.x == kNumMathThreads) {
     tma_prefetch_descriptor(&tmap_b);
-#pragma unroll
-    for (uint32_t kb = kb_begin; kb < kb_begin + kPrefetchKBlocks; ++kb)
-      if (kb < kb_end)
-        tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(kb * BLOCK_K), static_cast<int32_t>(n0));
+    prefetch_first_b_l2<BLOCK_K>(&tmap_b, kb_begin, kb_end, static_cast<int32_t>(n0));
     tma_prefetch_descriptor(&tmap_a);
     tma_prefetch_descriptor(&tmap_sa);
   }

@@ -183,16 +183,29 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes
                "r"(bytes) : "memory");
 }
 
-// k-blocks of a decode GEMM's first tile whose B boxes go to L2 before the PDL dependency wait
-// (the dense and small-M kernels).
-constexpr uint32_t kPrefetchKBlocks = 2;
-
 // Bring the box at (c0, c1) of a 2-D tensor map into L2 without waiting (no shared memory, no
 // barrier).
 __device__ __forceinline__ void tma_prefetch_l2_2d(const TmaDescriptor* desc, int32_t c0,
                                                    int32_t c1) {
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
                ::"l"(reinterpret_cast<uint64_t>(desc)), "r"(c0), "r"(c1) : "memory");
+}
+
+// k-blocks of a decode GEMM's first tile whose B boxes go to L2 before the PDL dependency wait.
+constexpr uint32_t kPrefetchKBlocks = 2;
+
+// The B boxes (rows from n0, BLOCK_K wide) of the first kPrefetchKBlocks k-blocks of
+// [kb_begin, kb_end) sent to L2, before griddepcontrol.wait: launched while the kernel before it
+// still runs (PDL), a GEMM starts streaming B (the weights, nearly all the bytes at decode) from
+// HBM meanwhile, and its first TMA loads hit L2. Two k-blocks, not a ring's worth: the
+// prefetches queue ahead of the ring's own loads in the memory system, and a ring's worth cost a
+// lone decode GEMM 3-7 % and a PDL chain link 1-14 % on the H200.
+template <uint32_t BLOCK_K>
+__device__ __forceinline__ void prefetch_first_b_l2(const TmaDescriptor* tmap_b, uint32_t kb_begin,
+                                                    uint32_t kb_end, int32_t n0) {
+#pragma unroll
+  for (uint32_t kb = kb_begin; kb < kb_begin + kPrefetchKBlocks; ++kb)
+    if (kb < kb_end) tma_prefetch_l2_2d(tmap_b, static_cast<int32_t>(kb * BLOCK_K), n0);
 }
 
 // Programmatic dependent launch (the host's FP8GEMM_PDL): a kernel launched with programmatic
