@@ -15,6 +15,8 @@
 #   SKIP_TESTS=1       no pytest;  SKIP_BENCH=1: no benchmark
 #   QUANT=1            also the quantisers against a bf16 copy (scripts/quant_bandwidth.py, e4m3
 #                      and e5m2) -> quant.log, quant.json (at most 120 s)
+#   PROBE=1            also the mainloop probes (scripts/wgmma_probe.py: tensor cores against
+#                      the promotion, no loads) -> probe.log, probe.json (at most 90 s)
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
@@ -141,6 +143,16 @@ if [[ "${QUANT:-0}" == "1" ]]; then
     quant_summary="rc $rc, $(grep -c ' of copy' "$OUT/quant.log") measurements"
 fi
 
+probe_summary="skipped (PROBE=0)"
+if [[ "${PROBE:-0}" == "1" ]]; then
+    echo "== mainloop probes -> $OUT/probe.log"
+    timeout --signal=INT --kill-after=10 90 python3 scripts/wgmma_probe.py --json "$OUT/probe.json" \
+        >"$OUT/probe.log" 2>&1
+    rc=$?
+    cat "$OUT/probe.log"
+    probe_summary="rc $rc, $(grep -c 'cycles/k-block' "$OUT/probe.log") probes"
+fi
+
 dg_summary="skipped (DG_CORE=0)"
 if [[ "${DG_CORE:-0}" == "1" ]]; then
     echo "== DeepGEMM's test_core.py against the drop-in -> $OUT/dg_core.log"
@@ -172,6 +184,7 @@ fi
 echo "tests: $tests_summary"
 echo "bench: $bench_summary"
 echo "quant: $quant_summary"
+echo "probes: $probe_summary"
 echo "deepgemm test_core on the drop-in: $dg_summary"
 echo "files: $(cd "$OUT" && ls | tr '\n' ' ')  ($(( SECONDS - START ))s)"
 rm -rf "$WORK"
