@@ -9,7 +9,7 @@ the FP32 pipes (1D2D: an FFMA per accumulator element; 1D1D: an FMUL and an FFMA
 H200, taking the promotion out of a kernel saved its whole issue time, with one accumulator and
 with two (docs/cuda.md, "The 1D1D kernels"): it did not overlap the wgmma. These probes
 (scripts/wgmma_probe.cuh) run that k-block on one CTA per SM with no loads, so that what is left
-is the tensor cores and the promotion: one or two warpgroups, dependent or independent chains,
+is the tensor cores and the promotion: one to three warpgroups, dependent or independent chains,
 promotion or none, free-running (from the same clock or staggered) or meeting before every
 k-block, and FFMA streams in a warpgroup of their own beside the wgmma of another. Printed per
 probe: clock cycles per k-block (median of the CTAs' clock64 spans), the tensor cores' share of
@@ -87,6 +87,10 @@ PROBES = [
     Probe("2wg n128 promote2 pipelined", 128, promote=2, pipelined=True),
     Probe("2wg n128 promote1 pipelined", 128, promote=1, pipelined=True),
     Probe("2wg n128 promote2 2 chains", 128, promote=2, chains=2),
+    # a third math warpgroup: two keep the tensor cores busy while one promotes?
+    Probe("3wg n128", 128, mma_wgs=3),
+    Probe("3wg n128 promote1", 128, mma_wgs=3, promote=1),
+    Probe("3wg n128 promote2", 128, mma_wgs=3, promote=2),
     # FFMA streams of another warpgroup beside the wgmma: do the FP32 pipes slow the tensor cores?
     Probe("1wg n128 + ffma wg", 128, mma_wgs=1, ffma_wgs=1),
     Probe("1wg n128 2 chains + ffma wg", 128, mma_wgs=1, ffma_wgs=1, chains=2),
