@@ -19,8 +19,10 @@ masked A.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +157,18 @@ def hopper_available() -> bool:
                 and torch.cuda.get_device_capability(0) == HOPPER_CAPABILITY)
     except Exception:  # a broken driver or a CPU-only build: no GPU
         return False
+
+
+def load_script(path: str):
+    """The module of a file of the repository that is not in the package (`scripts/x.py`,
+    `examples/x.py`), imported under its stem and registered in sys.modules (dataclasses look
+    their module up there)."""
+    file = Path(__file__).resolve().parents[1] / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def compiler_or_skip(name: str | None = None):

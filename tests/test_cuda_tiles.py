@@ -3,7 +3,6 @@ that follow from it (stages that fit, the grid), so the GPU run times what it sa
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,11 +14,9 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g2
 from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import ceil_div
+from helpers import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "cuda_tiles.py"
-_spec = importlib.util.spec_from_file_location("cuda_tiles", _PATH)
-ct = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ct)
+ct = load_script("scripts/cuda_tiles.py")
 
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
 
@@ -135,10 +132,7 @@ def test_ncu_call_runs_the_variant(op, shape, spec, gpu_device):
     from fp8gemm.bench.impls import make_data, reference_output
     from fp8gemm.bench.suites import Case
 
-    spec_path = Path(ct.__file__).parent / "ncu_call.py"
-    nspec = importlib.util.spec_from_file_location("ncu_call", spec_path)
-    nc = importlib.util.module_from_spec(nspec)
-    nspec.loader.exec_module(nc)
+    nc = load_script("scripts/ncu_call.py")
     g, m, n, k = shape
     data = make_data(Case("ncu", op, m, n, k, groups=g), gpu_device)
     fn, out = nc.variant_call(spec, op, data, g, m, n, k)

@@ -12,23 +12,17 @@ unrelated sentences, so a broken encoder or tokenizer cannot pass.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from fp8gemm.nn import Fp8Linear, convert
+from helpers import load_script
 
-_PATH = Path(__file__).resolve().parent.parent / "examples" / "minilm.py"
-_spec = importlib.util.spec_from_file_location("minilm", _PATH)
-minilm = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = minilm  # dataclasses look their module up there
-_spec.loader.exec_module(minilm)
+minilm = load_script("examples/minilm.py")
 
 # The accuracy target for FP8 sentence embeddings against the unconverted model.
 # Measured on SENTENCES: 0.9966 to 0.9983 for bf16 -> FP8 (e4m3 activations per 1x128 group and

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fp8gemm
-from helpers import TOL, assert_close_diff, dequant_a, dequant_b
+from helpers import TOL, assert_close_diff, dequant_a, dequant_b, load_script
 
 FP32 = torch.float32
 
@@ -517,14 +517,9 @@ def test_triton_ab_script_toggles_and_restores_the_switches():
     """scripts/moe_triton_ab.py (the H200 A/B of the Triton MoE kernels and the torch code): its
     switch wrapper sets TRITON_COMBINE or TRITON_DISPATCH for one call only, even when the call
     raises; without a GPU it says so."""
-    import importlib.util
-
     import fp8gemm.moe as moe_module
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "moe_triton_ab.py"
-    spec = importlib.util.spec_from_file_location("moe_triton_ab", path)
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = load_script("scripts/moe_triton_ab.py")
 
     def boom():
         raise RuntimeError("x")
@@ -546,15 +541,10 @@ def test_triton_ab_script_toggles_and_restores_the_switches():
 def test_layer_profile_script_steps_run_on_the_cpu():
     """scripts/moe_layer_profile.py: every step it times runs (here on a small CPU layer), and
     the steps chained give the layer's output; without a GPU the script says so."""
-    import importlib.util
-
     from fp8gemm.bench.impls import make_data
     from fp8gemm.bench.suites import Case
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "moe_layer_profile.py"
-    spec = importlib.util.spec_from_file_location("moe_layer_profile", path)
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+    prof = load_script("scripts/moe_layer_profile.py")
     md = make_data(Case("moe-layer", "moe_layer", 200, 256, 128, 2), torch.device("cpu")).moe
     steps = prof.steps_of(md)
     results = {name: fn() for name, fn in steps.items()}

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "quant_bandwidth.py"
-_spec = importlib.util.spec_from_file_location("quant_bandwidth", _PATH)
-qb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(qb)
+from helpers import load_script
+
+qb = load_script("scripts/quant_bandwidth.py")
 
 
 def test_moved_bytes_are_input_output_and_scales_once():

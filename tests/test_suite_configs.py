@@ -1,24 +1,14 @@
 """scripts/suite_configs.py: the CUDA backend's pick for every bench case, on the CPU."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from fp8gemm.bench.impls import case_problem
 from fp8gemm.bench.suites import all_suite_names, suite_cases
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def _script():
-    path = ROOT / "scripts" / "suite_configs.py"
-    spec = importlib.util.spec_from_file_location("suite_configs", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["suite_configs"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/suite_configs.py")
 
 
 @pytest.mark.parametrize("suite", all_suite_names())

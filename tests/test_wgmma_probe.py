@@ -1,26 +1,16 @@
 """scripts/wgmma_probe.py: its probe kernels compile for sm_90a as the mainloop they stand for
 (every k-block's wgmma issued as written, none serialised by ptxas, nothing spilled)."""
 
-import importlib.util
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import compiler_or_skip
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import compiler_or_skip, load_script
 
 
 def _script():
-    path = ROOT / "scripts" / "wgmma_probe.py"
-    spec = importlib.util.spec_from_file_location("wgmma_probe", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["wgmma_probe"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/wgmma_probe.py")
 
 
 # (probe, wgmma per k-block: 4 k-steps per chain)
