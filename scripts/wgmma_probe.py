@@ -115,6 +115,24 @@ def compile_all(probes: list[Probe]) -> int:
     return 1 if bad else 0
 
 
+def summarise(p: Probe, spans: list, iters: int, us: float) -> dict:
+    """A probe's result row from its kernel's spans ([CTA][warpgroup] = [clock cycles, iterations]:
+    the math warpgroups first, then the FFMA ones) and the launch's µs."""
+    mma_cycles = [cta[w][0] for cta in spans for w in range(p.mma_wgs)]
+    cycles = statistics.median(mma_cycles)
+    ideal = p.mma_wgs * 64 * p.n * 128 / FMA_PER_CYCLE
+    row = {**asdict(p), "iters": iters, "us": round(us, 1),
+           "cycles_per_kblock": round(cycles / iters, 1), "ideal_cycles": ideal,
+           "tensor_share": round(ideal * iters / cycles, 3),
+           "clock_ghz": round(cycles / us / 1e3, 3)}
+    if p.ffma_wgs:
+        # 2 x R FFMA per thread an iteration (R = N / chains / 2), 128 threads a warpgroup
+        rates = [cta[w][1] * (p.n // p.chains) * 128 / cta[w][0]
+                 for cta in spans for w in range(p.mma_wgs, p.mma_wgs + p.ffma_wgs)]
+        row["ffma_per_cycle"] = round(statistics.median(rates) * p.ffma_wgs, 1)
+    return row
+
+
 def run(probes: list[Probe], iters: int) -> list[dict]:
     import torch
 
@@ -138,21 +156,10 @@ def run(probes: list[Probe], iters: int) -> list[dict]:
             end.record()
             torch.cuda.synchronize()
         us = start.elapsed_time(end) * 1e3
-        s = spans.view(num_sms, MAX_WGS, 2).cpu()
-        mma_cycles = [int(s[b, w, 0]) for b in range(num_sms) for w in range(p.mma_wgs)]
-        cyc_per_kb = statistics.median(mma_cycles) / iters
-        ideal = p.mma_wgs * 64 * p.n * 128 / FMA_PER_CYCLE
-        row = {**asdict(p), "iters": iters, "us": round(us, 1),
-               "cycles_per_kblock": round(cyc_per_kb, 1), "ideal_cycles": ideal,
-               "tensor_share": round(ideal / cyc_per_kb, 3),
-               "clock_ghz": round(statistics.median(mma_cycles) / us / 1e3, 3)}
-        if p.ffma_wgs:
-            # 2 x R FFMA per thread per iteration (R = N / chains / 2), 128 threads a warpgroup
-            f = [(int(s[b, w, 1]) * (p.n // p.chains) * 128 / int(s[b, w, 0]))
-                 for b in range(num_sms) for w in range(p.mma_wgs, p.mma_wgs + p.ffma_wgs)]
-            row["ffma_per_cycle"] = round(statistics.median(f) * p.ffma_wgs, 1)
+        row = summarise(p, spans.view(num_sms, MAX_WGS, 2).tolist(), iters, us)
         rows.append(row)
-        print(f"{p.name:34s} {cyc_per_kb:8.1f} cycles/k-block  tensor {ideal / cyc_per_kb:6.1%}"
+        print(f"{p.name:34s} {row['cycles_per_kblock']:8.1f} cycles/k-block  tensor "
+              f"{row['tensor_share']:6.1%}"
               + (f"  ffma/cycle {row['ffma_per_cycle']:6.1f}" if p.ffma_wgs else "")
               + f"  ({row['clock_ghz']} GHz)", flush=True)
     return rows

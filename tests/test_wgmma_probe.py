@@ -50,3 +50,17 @@ def test_probe_smem_fits_and_names_are_unique():
     for p in mod.PROBES:
         assert p.smem() <= 227 * 1024 and p.threads <= mod.MAX_WGS * 128, p
         assert p.n % (8 * p.chains) == 0 and (not p.pipelined or p.chains == 1), p
+
+
+def test_summary_units():
+    """Two math warpgroups at N = 128 that take 640 cycles a k-block run the tensor cores 80 % of
+    the time (512 cycles of MMA); an FFMA warpgroup that did 100 iterations of 128 FFMA a thread
+    in 64000 cycles issued 25.6 FFMA a cycle."""
+    mod = load_script("scripts/wgmma_probe.py")
+    probe = next(p for p in mod.PROBES if p.name == "2wg n128 + ffma wg")
+    iters = 1000
+    cta = [[640 * iters, iters], [640 * iters, iters], [64000, 100], [0, 0]]
+    row = mod.summarise(probe, [cta] * 3, iters, us=400.0)
+    assert row["cycles_per_kblock"] == 640 and row["ideal_cycles"] == 512
+    assert row["tensor_share"] == 0.8 and row["ffma_per_cycle"] == 25.6
+    assert row["clock_ghz"] == 1.6
