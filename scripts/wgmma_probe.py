@@ -56,7 +56,8 @@ class Probe:
 
     def smem(self) -> int:
         # ProbeLayout::kBytes
-        return 1024 + self.mma_wgs * 64 * 128 + self.n * 128 + 4 * (4 * 64 * self.mma_wgs + 4 * self.n) + 16
+        return (1024 + self.mma_wgs * 64 * 128 + self.n * 128
+                + 4 * (4 * 64 * self.mma_wgs + 4 * self.n) + 16)
 
     def name_expr(self) -> str:
         b = {True: "true", False: "false"}
@@ -110,8 +111,8 @@ def compile_all(probes: list[Probe]) -> int:
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
         warn = sorted(set(re.findall(r"C75\d\d", log)))
         bad += bool((spills and max(spills)) or warn)
-        print(f"{p.name:34s} regs {','.join(regs) or '?':>4s}  spills {max(spills) if spills else '?'}"
-              f"  {' '.join(warn)}")
+        print(f"{p.name:34s} regs {','.join(regs) or '?':>4s}  "
+              f"spills {max(spills) if spills else '?'}  {' '.join(warn)}")
     return 1 if bad else 0
 
 
@@ -166,8 +167,10 @@ def run(probes: list[Probe], iters: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=4096, help="k-blocks per math warpgroup (a multiple of 8)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=4096,
+                    help="k-blocks per math warpgroup (a multiple of 8)")
     ap.add_argument("--only", default="", help="comma-separated probe names")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--json", default="")

@@ -264,6 +264,46 @@ def test_make_benchmarks_md_script(tmp_path):
     assert "## h200.json" in text and "12.5 (2.00×)" in text and "Geometric mean" in text
 
 
+def test_make_benchmarks_md_adds_a_run_per_suite(tmp_path):
+    """--add splits a run into the GPU's per-suite result files (DATE-GPU-COMMIT-SUITE.json; the
+    skewed backward rows with the backward ones, deepseek-grouped as `grouped`) and deletes that
+    GPU's older file and plot of each suite, no other GPU's and no other suite's."""
+    res = tmp_path / "results"
+    res.mkdir()
+    meta = dict(META, gpu="NVIDIA H200", commit="abc1234", date="2026-12-06T01:02:03Z")
+    old = [res / "2026-12-01-h200-0000000-grouped.json",
+           res / "2026-12-01-h200-0000000-backward.json"]
+    kept = [res / "2026-12-01-h100-0000000-grouped.json",
+            res / "2026-12-01-h200-0000000-m-sweep.json"]
+    for path in old + kept:
+        report.write_json(path, report.make_doc(meta, _synthetic_rows()[:2]))
+        path.with_suffix(".png").write_bytes(b"png")
+    rows = _synthetic_rows()
+    backward = [_row("backward", "wgrad", 2112, 7168, 4096),
+                _row("backward-skewed", "k_grouped_wgrad", 4096, 7168, 4096, 8)]
+    run = tmp_path / "bench.json"
+    report.write_json(run, report.make_doc(meta, rows + backward))
+    out = tmp_path / "BENCHMARKS.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_benchmarks_md.py"),
+                        "--results", str(res), "--out", str(out), "--history",
+                        str(tmp_path / "history.json"), "--add", str(run), "--record"],
+                       capture_output=True, text=True, env=_env(), timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in res.glob("*.json"))
+    assert names == sorted(["2026-12-01-h100-0000000-grouped.json",
+                            "2026-12-01-h200-0000000-m-sweep.json",
+                            "2026-12-06-h200-abc1234-backward.json",
+                            "2026-12-06-h200-abc1234-deepseek-dense.json",
+                            "2026-12-06-h200-abc1234-grouped.json"])
+    assert not any(p.with_suffix(".png").exists() for p in old)
+    assert all(p.with_suffix(".png").exists() for p in kept)
+    split = {n: report.load_json(res / n)["rows"] for n in names if "abc1234" in n}
+    assert split["2026-12-06-h200-abc1234-backward.json"] == backward
+    assert split["2026-12-06-h200-abc1234-grouped.json"] == rows[7:]
+    assert split["2026-12-06-h200-abc1234-deepseek-dense.json"] == rows[:7]
+    assert "2026-12-06-h200-abc1234-grouped.json" in out.read_text()
+
+
 def test_from_json_merges_and_writes_markdown(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     rows = _synthetic_rows()
