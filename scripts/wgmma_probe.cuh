@@ -14,6 +14,8 @@
 // waited for a stage that lands just then).
 // kStagger: math warpgroup w starts w * kStagger clock cycles after the first (free-running
 // warpgroups that start together may stay in phase, promoting at the same time).
+// kTurns (two math warpgroups): they take turns on the tensor cores, each issuing its k-block
+// only once the other's wgmma have completed, so that one promotes while the other's run.
 // kFfmaWGs: warpgroups that only run FFMA streams (2 x N/2 an iteration, independent chains)
 // until the math warpgroups are done: the FP32 pipes busy beside the wgmma.
 // Each warpgroup's warp 0 writes its clock64 span and its iteration count.
@@ -62,7 +64,7 @@ __device__ __forceinline__ void promote(float (&sum)[R], float (&acc)[R], float 
 }
 
 template <uint32_t N, uint32_t kMmaWGs, uint32_t kFfmaWGs, uint32_t kPromote, uint32_t kChains,
-          bool kPipelined, bool kLockstep, uint32_t kStagger>
+          bool kPipelined, bool kLockstep, uint32_t kStagger, bool kTurns>
 __global__ void __launch_bounds__((kMmaWGs + kFfmaWGs) * 128, 1)
 wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ spans) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -73,6 +75,7 @@ wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ sp
   static_assert(kMmaWGs >= 1 && kMmaWGs + kFfmaWGs <= kMaxWGs, "1..4 warpgroups, one computing");
   static_assert(N % kChains == 0 && kNC % 8 == 0, "chains of whole 8-column groups");
   static_assert(!kPipelined || kChains == 1, "two accumulators of one chain each");
+  static_assert(!kTurns || (kMmaWGs == 2 && !kPipelined && !kLockstep), "turns of two warpgroups");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -158,13 +161,20 @@ wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ sp
       }
       count = iters / 8 * 8;
     } else {
+      // Turns: barrier 3 + w opens warpgroup w's turn; the other warpgroup arrives on it once
+      // its own wgmma have completed. Warpgroup 0 takes the first turn.
 #pragma unroll 1
       for (uint32_t kb = 0; kb < iters; ++kb) {
         if (kLockstep) named_barrier_sync(1, kMmaWGs * 128);
+        if (kTurns && (wg == 1 || kb > 0)) named_barrier_sync(3 + wg, 256);
         issue(acc);
         wgmma_wait<0>();
+        if (kTurns) asm volatile("bar.arrive %0, 256;" ::"r"(4 - wg) : "memory");
         promote_kb(acc, kb);
       }
+      // (warpgroup 1's last arrival opens a turn nobody takes: taken here, the barrier is left
+      // complete)
+      if (kTurns && wg == 0) named_barrier_sync(3, 256);
       count = iters;
     }
     // (the last accumulator stays live, so no wgmma is dead code)

@@ -10,11 +10,11 @@ H200, taking the promotion out of a kernel saved its whole issue time, with one 
 with two (docs/cuda.md, "The 1D1D kernels"): it did not overlap the wgmma. These probes
 (scripts/wgmma_probe.cuh) run that k-block on one CTA per SM with no loads, so that what is left
 is the tensor cores and the promotion: one to three warpgroups, dependent or independent chains,
-promotion or none, free-running (from the same clock or staggered) or meeting before every
-k-block, and FFMA streams in a warpgroup of their own beside the wgmma of another. Printed per
-probe: clock cycles per k-block (median of the CTAs' clock64 spans), the tensor cores' share of
-them (warpgroups x 64 x N x 128 FMA at 4096 FP8 FMA a cycle per SM, over the measured cycles),
-and FFMA per cycle per SM of the FFMA warpgroups, if any.
+promotion or none, free-running (from the same clock or staggered), meeting before every
+k-block or taking turns on the tensor cores, and FFMA streams in a warpgroup of their own beside
+the wgmma of another. Printed per probe: clock cycles per k-block (median of the CTAs' clock64
+spans), the tensor cores' share of them (warpgroups x 64 x N x 128 FMA at 4096 FP8 FMA a cycle
+per SM, over the measured cycles), and FFMA per cycle per SM of the FFMA warpgroups, if any.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Probe:
     pipelined: bool = False
     lockstep: bool = False
     stagger: int = 0
+    turns: bool = False
 
     @property
     def threads(self) -> int:
@@ -62,7 +63,8 @@ class Probe:
     def name_expr(self) -> str:
         b = {True: "true", False: "false"}
         return (f"&probe::wgmma_probe<{self.n}, {self.mma_wgs}, {self.ffma_wgs}, {self.promote}, "
-                f"{self.chains}, {b[self.pipelined]}, {b[self.lockstep]}, {self.stagger}>")
+                f"{self.chains}, {b[self.pipelined]}, {b[self.lockstep]}, {self.stagger}, "
+                f"{b[self.turns]}>")
 
 
 PROBES = [
@@ -88,6 +90,13 @@ PROBES = [
     Probe("2wg n128 promote2 pipelined", 128, promote=2, pipelined=True),
     Probe("2wg n128 promote1 pipelined", 128, promote=1, pipelined=True),
     Probe("2wg n128 promote2 2 chains", 128, promote=2, chains=2),
+    # turns: one warpgroup's wgmma at a time, the other promoting meanwhile (do its two chains
+    # keep the tensor cores as busy as two warpgroups' wgmma?)
+    Probe("2wg n128 turns", 128, turns=True),
+    Probe("2wg n128 turns 2 chains", 128, chains=2, turns=True),
+    Probe("2wg n128 promote2 turns", 128, promote=2, turns=True),
+    Probe("2wg n128 promote2 turns 2 chains", 128, promote=2, chains=2, turns=True),
+    Probe("2wg n160 promote1 turns 2 chains", 160, promote=1, chains=2, turns=True),
     # a third math warpgroup: two keep the tensor cores busy while one promotes?
     Probe("3wg n128", 128, mma_wgs=3),
     Probe("3wg n128 promote1", 128, mma_wgs=3, promote=1),

@@ -15,7 +15,8 @@ def _script():
 
 # (probe, wgmma per k-block: 4 k-steps per chain)
 CASES = [("2wg n160 promote1", 4), ("2wg n128 promote2 2 chains", 8),
-         ("2wg n128 promote2 pipelined", 4), ("1wg n128 + ffma wg", 4), ("2wg n128", 4)]
+         ("2wg n128 promote2 pipelined", 4), ("1wg n128 + ffma wg", 4), ("2wg n128", 4),
+         ("2wg n160 promote1 turns 2 chains", 8)]
 
 
 @pytest.mark.parametrize("name,per_kblock", CASES)
