@@ -13,10 +13,11 @@ A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE cha
 heuristic's value, except those that follow from a changed field, unless they are given too: a
 changed block_m or block_n re-derives num_stages (the most that fit the device's shared memory,
 up to the most the family's candidates use; even for the small-M family) and two_accum (off,
-also for a changed splits); a
-changed block_m, block_n, num_multicast or splits (the 1D2D family's split-K) re-derives grid
-(a CTA per tile, or per tile and split, up to the SM count, a
-multiple of the cluster; small-M: a changed block_m or num_splits, one CTA per tile and split).
+also for a changed splits); a changed ctas_per_sm (the 1D2D families: 2 for two 64-row CTAs an
+SM) re-derives num_stages in its share of shared memory; a changed block_m, block_n,
+num_multicast, splits (the 1D2D family's split-K) or ctas_per_sm re-derives grid (a CTA per
+tile, or per tile and split, up to the SM count times ctas_per_sm, a multiple of the cluster;
+small-M: a changed block_m or num_splits, one CTA per tile and split).
 --sweep adds every config of `candidate_configs`.
 
 Each config runs through the family's public `run`, is checked against the float64 product of
@@ -73,7 +74,7 @@ from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E40
 
 M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
 TILE_FIELDS = ("block_m", "block_n")  # num_stages and two_accum follow from these
-GRID_FIELDS = ("block_m", "block_n", "num_multicast", "splits")  # grid follows from these
+GRID_FIELDS = ("block_m", "block_n", "num_multicast", "splits", "ctas_per_sm")  # and grid these
 MAX_DIFF = 1e-5  # the library's bound for bf16 output (fp32 output lands closer)
 
 
@@ -191,14 +192,15 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
         if split:
             cfg = dataclasses.replace(cfg, grid=tile_count(problem, cfg) * cfg.num_splits)
         else:
-            grid = min(facts.num_sms, tile_count(problem, cfg) * getattr(cfg, "splits", 1))
+            grid = min(facts.num_sms * getattr(cfg, "ctas_per_sm", 1),
+                       tile_count(problem, cfg) * getattr(cfg, "splits", 1))
             mc = getattr(cfg, "num_multicast", 1)
             cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
-    if tile_changed and "num_stages" not in changes:
+    if (tile_changed or "ctas_per_sm" in changes) and "num_stages" not in changes:
+        limit = cfg.smem_limit(facts) if hasattr(cfg, "smem_limit") else facts.smem_per_block
         fits = [s for s in range(max_stages, 0, -1)
                 if not (split and s % 2)
-                and config_smem(dataclasses.replace(cfg, num_stages=s), problem)
-                <= facts.smem_per_block]
+                and config_smem(dataclasses.replace(cfg, num_stages=s), problem) <= limit]
         if not fits:
             return None
         cfg = dataclasses.replace(cfg, num_stages=fits[0])

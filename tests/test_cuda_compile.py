@@ -303,6 +303,39 @@ def test_two_accum_compiles_clean_over_its_k_range(bm, bn, ks, tmp_path, monkeyp
         assert max(spills) == 0 and not re.search(r"C751[459]", log), f"{cfg}\n{log}"
 
 
+# (kind, N, K, BLOCK_N, two accumulators): 64-row tiles two CTAs an SM take, K short and long.
+# (Contiguous tiles with two accumulators wider than 64 spill 4-8 bytes in 216 registers: the
+# contiguous scheduler keeps more state live.)
+TWO_CTA_TILES = [
+    (GemmKind.DENSE, 2112, 7168, 32, True), (GemmKind.DENSE, 7168, 2048, 64, True),
+    (GemmKind.DENSE, 4096, 7168, 160, False), (GemmKind.DENSE, 4096, 32768, 128, True),
+    (GemmKind.MASKED, 4096, 7168, 128, True), (GemmKind.MASKED, 7168, 2048, 128, False),
+    (GemmKind.CONTIGUOUS, 4096, 7168, 64, True), (GemmKind.CONTIGUOUS, 7168, 2048, 128, False),
+    (GemmKind.OFFSETS, 7168, 2048, 128, True)]
+
+
+@pytest.mark.parametrize("kind,n,k,bn,two_accum", TWO_CTA_TILES)
+def test_two_ctas_per_sm_compile_clean(kind, n, k, bn, two_accum, tmp_path, monkeypatch):
+    """ctas_per_sm = 2: the kernel launches in 128 registers a thread (half the register file
+    for each of two CTAs), the math warpgroup grows to 216, and no 64-row tile spills; its
+    stages fit half the SM's shared memory."""
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    limit = g.smem_limit(H200, 2)
+    assert limit == (H200.smem_per_block + 1024) // 2 - 1024
+    stages = g.max_stages(64, bn, k, limit, kind)
+    assert stages >= g.MIN_STAGES
+    cfg = g.Sm90Config(64, bn, stages, 1, True, g.BAND_SIZE, 264, two_accum, ctas_per_sm=2)
+    assert cfg.smem(k, kind) <= cfg.smem_limit(H200) == limit
+    log = g.compile_kernel(kind, n, k, cfg)[1].log
+    assert not re.search(r"C75\d\d", log), f"{cfg}\n{log}"
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    if not spills or not regs:
+        pytest.skip("this compiler's log has no ptxas report")
+    assert max(spills) == 0 and max(regs) <= 128, f"{cfg}\n{log}"
+
+
 def test_generated_wgmma_header_is_current():
     script = Path(__file__).resolve().parent.parent / "scripts" / "cuda_gen_wgmma.py"
     rc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)

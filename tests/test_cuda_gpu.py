@@ -261,6 +261,36 @@ def test_split_k_configs(m, n, k, bm, bn, splits, gpu_device):
     assert torch.equal(graphed, out)
 
 
+@pytest.mark.parametrize("m,n,k,bn,two_accum", [(64, 2112, 7168, 32, True),
+                                                  (200, 7168, 2048, 64, True),
+                                                  (1000, 576, 1408, 160, False)])
+def test_two_ctas_per_sm_dense(m, n, k, bn, two_accum, gpu_device):
+    """ctas_per_sm = 2 (built directly: the heuristic does not offer it): 64-row dense tiles, two
+    CTAs on each SM, against float64 with a poisoned out; the same bits as run again."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import FAMILIES, sm90_fp8_gemm_1d2d
+    from fp8gemm.backends.family import DeviceFacts
+
+    fam = {f.name: f for f in FAMILIES}["sm90_fp8_gemm_1d2d"]
+    facts = DeviceFacts.of(gpu_device)
+    problem = dense_problem(m, n, k)
+    stages = sm90_fp8_gemm_1d2d.max_stages(64, bn, k, sm90_fp8_gemm_1d2d.smem_limit(facts, 2))
+    tiles = ceil_div(m, 64) * ceil_div(n, bn)
+    cfg = replace(fam.select_config(problem, facts), block_m=64, block_n=bn, num_stages=stages,
+                  num_multicast=1, grid=min(2 * facts.num_sms, tiles), two_accum=two_accum,
+                  splits=1, ctas_per_sm=2)
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
+    fam.run(cfg, problem, a, sa, b, sb, out)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    assert calc_diff(out, reference(a, sa, b, sb)) < TOL_BF16
+    again = torch.empty_like(out)
+    fam.run(cfg, problem, a, sa, b, sb, again)
+    assert torch.equal(again, out)
+
+
 # --- addressing corner cases ---------------------------------------------------------------------
 def test_misaligned_base_pointers(gpu_device):
     """Contiguous views at odd storage offsets (A one byte, out two bytes past a 16-byte

@@ -306,6 +306,57 @@ def test_idle_half_warpgroup(kind, tile, gpu_device):
         check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
 
 
+@pytest.mark.parametrize("tile", ["64x128-two-accum", "64x128", "64x64-two-accum"])
+@pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
+def test_two_ctas_per_sm(kind, tile, gpu_device):
+    """ctas_per_sm = 2 (built directly: the heuristic does not offer it): 64-row tiles, two CTAs
+    resident on each SM with half the shared memory each, over groups of 0-300 rows; only the
+    groups' rows written, against float64."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
+    from fp8gemm.backends.family import DeviceFacts
+    from fp8gemm.problem import GemmKind, GemmProblem
+
+    n, k = 576, 1408
+    sizes = [1, 64, 65, 128, 129, 300, 0, 63]
+    g = len(sizes)
+    b, sb = grouped_b(g, n, k, gpu_device)
+    if kind == "masked":
+        mmax = 320
+        a, sa, _, _ = masked_case(g, mmax, n, k, gpu_device)
+        layout = torch.tensor(sizes, dtype=torch.int32, device=gpu_device)
+        m, out_shape = mmax, (g, mmax, n)
+    else:
+        layout = (contiguous_layout(sizes, 128, gpu_device) if kind == "contiguous" else
+                  torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32,
+                               device=gpu_device))
+        groups = (layout if kind == "contiguous" else
+                  torch.repeat_interleave(torch.arange(g, device=gpu_device),
+                                          torch.tensor(sizes, device=gpu_device)).int())
+        m = layout.numel() if kind == "contiguous" else sum(sizes)
+        a = torch.randn(m, k, device=gpu_device).to(E4M3)
+        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
+        out_shape = (m, n)
+    problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
+                          Recipe.BLOCK, torch.bfloat16, expected_m=64 if kind == "masked" else 0)
+    facts = DeviceFacts.of(gpu_device)
+    bn, two_accum = int(tile[3:6].rstrip("-")), tile.endswith("two-accum")
+    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=64, block_n=bn,
+                  num_stages=sm90.max_stages(64, bn, k, sm90.smem_limit(facts, 2), problem.kind),
+                  two_accum=two_accum, num_multicast=1, splits=1, ctas_per_sm=2,
+                  grid=2 * facts.num_sms)
+    out = torch.full(out_shape, NAN, dtype=torch.bfloat16, device=gpu_device)
+    sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, layout)
+    torch.cuda.synchronize()
+    if kind == "masked":
+        check_masked(out, a, sa, b, sb, layout)
+    else:
+        check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+    with pytest.raises(ValueError, match="two CTAs an SM"):
+        sm90.GROUPED.run(replace(cfg, block_m=128), problem, a, sa, b, sb, out, None, layout)
+
+
 def test_bit_identical_repeats(gpu_device):
     idx = contiguous_layout([700, 129, 2000], 128, gpu_device)
     m, n, k = idx.numel(), 4096, 7168

@@ -13,7 +13,7 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d as g1
 from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g2
 from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
 from fp8gemm.backends.family import DeviceFacts
-from fp8gemm.problem import ceil_div
+from fp8gemm.problem import GemmKind, ceil_div
 from helpers import load_script
 
 ct = load_script("scripts/cuda_tiles.py")
@@ -45,6 +45,21 @@ def test_dense_split_k_variant_rederives_grid_and_drops_two_accum():
     assert cfg.grid == min(132, ceil_div(192, 128) * ceil_div(7168, 128) * 2)
     _, wide = _derive(g2.DENSE, ct.dense_problem(1000, 512, 32768), "splits=4")
     assert wide.splits == 4 and not wide.two_accum and wide.grid <= 132
+
+
+def test_two_ctas_per_sm_variant_takes_half_the_shared_memory_and_twice_the_grid():
+    """ctas_per_sm=2 on a 64-row masked tile: the most stages that fit half the SM's shared
+    memory (fewer than the base's), a CTA per tile up to two per SM."""
+    data = type("Data", (), {"a": torch.empty(16, 64, 7168)})()
+    p = ct.grouped_problem(GemmKind.MASKED, data, 16, 64, 4096, 7168)
+    base, cfg = _derive(g2.GROUPED, p, "ctas_per_sm=2")
+    assert (base.block_m, base.ctas_per_sm, cfg.ctas_per_sm) == (64, 1, 2)
+    limit = g2.smem_limit(H200, 2)
+    assert cfg.smem(p.k, p.kind) <= limit < replace(cfg, num_stages=cfg.num_stages + 1).smem(
+        p.k, p.kind)
+    assert cfg.num_stages < base.num_stages
+    assert cfg.grid == min(2 * 132, 16 * ceil_div(4096, cfg.block_n))
+    assert "ctas/SM=2" in str(cfg)
 
 
 def test_wgrad_two_accum_variant():

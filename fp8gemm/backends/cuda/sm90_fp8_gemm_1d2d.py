@@ -25,8 +25,9 @@ from ..family import DeviceFacts, KernelFamily
 from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
 __all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
-           "smem_bytes", "sa_pad", "sa_box", "max_stages", "num_threads", "tile_cost", "mma_efficiency", "use_two_accum",
-           "kernel_source", "compile_kernel", "BLOCK_K", "BLOCK_N_CHOICES", "MAX_K"]
+           "smem_bytes", "smem_limit", "sa_pad", "sa_box", "max_stages", "num_threads",
+           "tile_cost", "mma_efficiency", "use_two_accum", "kernel_source", "compile_kernel",
+           "BLOCK_K", "BLOCK_N_CHOICES", "MAX_K"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 # NOTE: one k-block is one scale block: partial sums are promoted (and scaled) every 128 of K.
@@ -194,6 +195,10 @@ class Sm90Config:
     # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
     # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
     splits: int = 1
+    # CTAs resident on an SM: 2 (BLOCK_M = 64, no cluster) gives each half the registers and
+    # shared memory (smem_limit), so that two math warpgroups of different tiles feed the tensor
+    # cores where one 64-row tile's warpgroup leaves them idle while it promotes
+    ctas_per_sm: int = 1
 
     @property
     def num_threads(self) -> int:
@@ -203,12 +208,28 @@ class Sm90Config:
         """Dynamic shared memory of this config for a GEMM of this kind at K, bytes."""
         return smem_bytes(self.block_m, self.block_n, self.num_stages, k, kind)
 
+    def smem_limit(self, facts: DeviceFacts) -> int:
+        """The shared memory one CTA of this config may use on the device, bytes."""
+        return smem_limit(facts, self.ctas_per_sm)
+
     def __str__(self) -> str:
         mc = "none" if self.num_multicast == 1 else ("A" if self.multicast_on_a else "B")
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
                 + (" accum=2" if self.two_accum else "")
-                + (f" splits={self.splits}" if self.splits > 1 else ""))
+                + (f" splits={self.splits}" if self.splits > 1 else "")
+                + (f" ctas/SM={self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
+
+
+# NOTE: sm_90 reserves 1 KB of an SM's shared memory for each resident block; the opt-in limit
+# per block (facts.smem_per_block, 227 KB) is the SM's 228 KB less that.
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+def smem_limit(facts: DeviceFacts, ctas_per_sm: int = 1) -> int:
+    """Dynamic shared memory each of `ctas_per_sm` CTAs resident on one SM may use, bytes."""
+    per_sm = facts.smem_per_block + SMEM_RESERVED_PER_BLOCK
+    return per_sm // ctas_per_sm - SMEM_RESERVED_PER_BLOCK
 
 
 def max_stages(block_m: int, block_n: int, k: int, smem_limit: int,
@@ -359,7 +380,7 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
             f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c and cfg.splits == 1]}, "
-            f"{b[a_e5m2]}, {cfg.splits}>")
+            f"{b[a_e5m2]}, {cfg.splits}, {cfg.ctas_per_sm}>")
     return source, name
 
 
@@ -404,6 +425,11 @@ class Sm90Plan:
                                or cfg.two_accum or not cfg.splits <= self.num_kb):
             raise ValueError(f"config {cfg}: split-K needs a dense problem, no multicast, one "
                              f"accumulator and at least one of the {self.num_kb} k-blocks a part")
+        if cfg.ctas_per_sm not in (1, 2) or (cfg.ctas_per_sm == 2 and (
+                cfg.block_m != 64 or cfg.num_multicast != 1 or cfg.smem(problem.k, problem.kind)
+                > smem_limit(DeviceFacts.of(torch.device("cuda", device_index)), 2))):
+            raise ValueError(f"config {cfg}: two CTAs an SM need 64-row tiles, no multicast and "
+                             f"half the SM's shared memory at most; one or two CTAs an SM only")
         # split-K: a float32 [splits, M, N] workspace per stream (a stream's calls run in order)
         self.workspaces: dict[int, torch.Tensor] = {}
         smem = cfg.smem(problem.k, problem.kind)

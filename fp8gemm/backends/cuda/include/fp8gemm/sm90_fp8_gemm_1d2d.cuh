@@ -10,6 +10,8 @@
 //   kNumSplits > 1 (dense only, split-K): each tile's k-blocks are cut in kNumSplits ranges, each a
 //     work item of its own, whose FP32 sums go to `out` as a float32 workspace [kNumSplits, M, N]
 //     (plain stores, no atomics); the host adds the parts in a fixed order (and C) and rounds.
+//   kCtasPerSm = 2 (BLOCK_M = 64, no cluster): two CTAs share an SM, each in half its registers
+//     and shared memory, so that two math warpgroups of different tiles feed its tensor cores.
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
 // (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages.
 #pragma once
@@ -131,8 +133,8 @@ __device__ __forceinline__ void for_each_sum_pair(uint32_t m0, uint32_t n0, uint
 
 template <uint32_t kKind, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kNumTMAMulticast, bool kIsMulticastOnA, uint32_t kBandSize,
-          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits>
-__global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, 1)
+          bool kTwoAccum, bool kHasC, bool kAE5M2, uint32_t kNumSplits, uint32_t kCtasPerSm>
+__global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, kCtasPerSm)
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
                           uint8_t* __restrict__ out, const float* __restrict__ c, uint64_t c_stride,
@@ -171,8 +173,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold two or three BLOCK_N/2 float arrays per thread. 128 * 40 + 256 * 232
   // fits the 64K-register file; one math warpgroup (BLOCK_M = 64) can take 256 (its B-scale
-  // prefetch at K = MAX_K needs more than 232 next to a 160-wide tile).
-  constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
+  // prefetch at K = MAX_K needs more than 232 next to a 160-wide tile). Two CTAs an SM launch
+  // with 128 registers a thread (the 32K of each CTA): the producer's 88 go to the math
+  // warpgroup, 216.
+  constexpr uint32_t kProducerRegs = 40;
+  constexpr uint32_t kMathRegs = kCtasPerSm == 2 ? 216 : (kNumMathThreads == 128 ? 256 : 232);
   constexpr bool kBandAlongM = kNumTMAMulticast > 1 && !kIsMulticastOnA;
   // NOTE: a contiguous kernel in 2-CTA clusters shares B between the pair's tiles where both are
   // of one group (sm90_scheduler.cuh, kPairs); the pair runs every tile in step, empty ones too.
@@ -204,6 +209,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(!kTwoAccum || (BLOCK_M <= 128 && BLOCK_N <= 128),
                 "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
+  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && BLOCK_M == 64 && kNumTMAMulticast == 1 &&
+                                    Layout::kSmemBytes <= 233472 / 2 - 1024),
+                "two CTAs an SM: one math warpgroup each, no cluster, half the SM's 228 KB less "
+                "the 1 KB reserved per block");
   static_assert(kNumSplits == 1 || (kKind == kKindDense && kNumTMAMulticast == 1 && !kTwoAccum &&
                                     !kHasC && kNumSplits <= kNumKBlocks),
                 "split-K: dense, one CTA per cluster, one accumulator, C added by the host, and a "
