@@ -162,6 +162,26 @@ class Kernel:
                      f"cuKernelSetAttribute(max dynamic smem = {nbytes})")
         self._smem_set[device_index] = nbytes
 
+    def prefer_max_shared(self, device_index: int) -> None:
+        """Ask for the largest shared-memory carveout of the SM's unified L1 / shared memory (the
+        driver may otherwise pick one that fits fewer resident blocks than the kernel is built
+        for)."""
+        from cuda.bindings import driver as cu
+
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        driver.check(cu.cuKernelSetAttribute(
+            attr, int(cu.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED), self._kernel,
+            cu.CUdevice(device_index)), "cuKernelSetAttribute(shared memory carveout)")
+
+    def max_active_blocks(self, threads: int, dynamic_smem: int) -> int:
+        """Blocks of `threads` threads and `dynamic_smem` bytes that can be resident on one SM
+        of the current context's device at once."""
+        from cuda.bindings import driver as cu
+
+        func = driver.check(cu.cuKernelGetFunction(self._kernel), "cuKernelGetFunction")
+        return int(driver.check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            func, threads, dynamic_smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+
     def launch(self, config: LaunchConfig, stream: int, params: ParamPack) -> None:
         # NOTE: for_stream's table lookup inline (a Python call less per launch); the tuple is
         # held until the driver has read the struct.

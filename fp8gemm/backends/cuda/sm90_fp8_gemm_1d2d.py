@@ -438,6 +438,8 @@ class Sm90Plan:
                                                problem.a_dtype == torch.float8_e5m2),
                                 (str(INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
+        if cfg.ctas_per_sm > 1:
+            self.kernel.prefer_max_shared(device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), smem,
                                        (cfg.num_multicast, 1, 1), pdl=settings.pdl)
         self.packs: dict[tuple, jit.ParamPack] = {}
