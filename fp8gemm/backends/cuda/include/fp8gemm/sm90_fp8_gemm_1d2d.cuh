@@ -210,9 +210,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                 "two accumulators and the FP32 sums: 3 x BLOCK_N/2 registers per thread, one wave");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
   static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && BLOCK_M == 64 && kNumTMAMulticast == 1 &&
-                                    Layout::kSmemBytes <= 233472 / 2 - 1024),
+                                    Layout::kSmemBytes <= 233472 / 2 - 2048),
                 "two CTAs an SM: one math warpgroup each, no cluster, half the SM's 228 KB less "
-                "the 1 KB reserved per block");
+                "the 1 KB reserved and the 1 KB static per block (smem_limit)");
   static_assert(kNumSplits == 1 || (kKind == kKindDense && kNumTMAMulticast == 1 && !kTwoAccum &&
                                     !kHasC && kNumSplits <= kNumKBlocks),
                 "split-K: dense, one CTA per cluster, one accumulator, C added by the host, and a "
