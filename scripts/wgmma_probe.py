@@ -90,13 +90,6 @@ PROBES = [
     Probe("2wg n128 promote2 pipelined", 128, promote=2, pipelined=True),
     Probe("2wg n128 promote1 pipelined", 128, promote=1, pipelined=True),
     Probe("2wg n128 promote2 2 chains", 128, promote=2, chains=2),
-    # turns: one warpgroup's wgmma at a time, the other promoting meanwhile (do its two chains
-    # keep the tensor cores as busy as two warpgroups' wgmma?)
-    Probe("2wg n128 turns", 128, turns=True),
-    Probe("2wg n128 turns 2 chains", 128, chains=2, turns=True),
-    Probe("2wg n128 promote2 turns", 128, promote=2, turns=True),
-    Probe("2wg n128 promote2 turns 2 chains", 128, promote=2, chains=2, turns=True),
-    Probe("2wg n160 promote1 turns 2 chains", 160, promote=1, chains=2, turns=True),
     # a third math warpgroup: two keep the tensor cores busy while one promotes?
     Probe("3wg n128", 128, mma_wgs=3),
     Probe("3wg n128 promote1", 128, mma_wgs=3, promote=1),
@@ -106,6 +99,13 @@ PROBES = [
     Probe("1wg n128 2 chains + ffma wg", 128, mma_wgs=1, ffma_wgs=1, chains=2),
     Probe("2wg n128 + ffma wg", 128, ffma_wgs=1),
     Probe("1wg n256 + ffma wg", 256, mma_wgs=1, ffma_wgs=1),
+    # turns (last: a barrier protocol of their own): one warpgroup's wgmma at a time, the other
+    # promoting meanwhile (do its two chains keep the tensor cores as busy as two warpgroups'?)
+    Probe("2wg n128 turns", 128, turns=True),
+    Probe("2wg n128 turns 2 chains", 128, chains=2, turns=True),
+    Probe("2wg n128 promote2 turns", 128, promote=2, turns=True),
+    Probe("2wg n128 promote2 turns 2 chains", 128, promote=2, chains=2, turns=True),
+    Probe("2wg n160 promote1 turns 2 chains", 160, promote=1, chains=2, turns=True),
 ]
 
 
