@@ -289,7 +289,8 @@ def test_two_ctas_per_sm_dense(m, n, k, bn, two_accum, gpu_device):
     again = torch.empty_like(out)
     fam.run(cfg, problem, a, sa, b, sb, again)
     assert torch.equal(again, out)
-    # the two CTAs do fit an SM together (registers, shared memory and its carveout)
+    # the two CTAs do fit an SM together (registers, shared memory and its carveout; the plan
+    # refuses the config otherwise)
     plan = sm90_fp8_gemm_1d2d.get_plan(problem, gpu_device.index or 0, cfg)
     assert plan.kernel.max_active_blocks(cfg.num_threads, cfg.smem(k)) == 2
 

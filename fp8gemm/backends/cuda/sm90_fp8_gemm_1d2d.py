@@ -446,6 +446,10 @@ class Sm90Plan:
         self.kernel.set_max_dynamic_smem(smem, device_index)
         if cfg.ctas_per_sm > 1:
             self.kernel.prefer_max_shared(device_index)
+            resident = self.kernel.max_active_blocks(cfg.num_threads, smem)
+            if resident < cfg.ctas_per_sm:
+                raise ValueError(f"config {cfg}: only {resident} CTA(s) of {smem} bytes of shared "
+                                 f"memory fit an SM of this device")
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (cfg.num_threads, 1, 1), smem,
                                        (cfg.num_multicast, 1, 1), pdl=settings.pdl)
         self.packs: dict[tuple, jit.ParamPack] = {}
