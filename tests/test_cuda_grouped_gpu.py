@@ -253,6 +253,53 @@ def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
         check_masked(out, a, sa, b, sb, masked_m)
 
 
+def run_forced_grouped(kind: str, sizes, expected_m: int, device, config):
+    """A grouped GEMM of `kind` over groups of `sizes` rows (N = 576, K = 1408; masked: Mmax =
+    320) with the config `config(default, facts, problem)` returns, checked against float64
+    (rows of no group untouched). Returns (the config, run(config) -> out) for more configs."""
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
+    from fp8gemm.backends.family import DeviceFacts
+    from fp8gemm.problem import GemmKind, GemmProblem
+
+    n, k, g = 576, 1408, len(sizes)
+    b, sb = grouped_b(g, n, k, device)
+    if kind == "masked":
+        mmax = 320
+        a, sa, _, _ = masked_case(g, mmax, n, k, device)
+        layout = torch.tensor(sizes, dtype=torch.int32, device=device)
+        m, out_shape = mmax, (g, mmax, n)
+    else:
+        if kind == "contiguous":
+            layout = groups = contiguous_layout(sizes, 128, device)
+        else:
+            layout = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32,
+                                  device=device)
+            groups = torch.repeat_interleave(torch.arange(g, device=device),
+                                             torch.tensor(sizes, device=device)).int()
+        m = layout.numel() if kind == "contiguous" else sum(sizes)
+        a = torch.randn(m, k, device=device).to(E4M3)
+        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), device))
+        out_shape = (m, n)
+    problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
+                          Recipe.BLOCK, torch.bfloat16,
+                          expected_m=expected_m if kind == "masked" else 0)
+    facts = DeviceFacts.of(device)
+    cfg = config(sm90.GROUPED.select_config(problem, facts), facts, problem)
+
+    def run(c):
+        out = torch.full(out_shape, NAN, dtype=torch.bfloat16, device=device)
+        sm90.GROUPED.run(c, problem, a, sa, b, sb, out, None, layout)
+        return out
+
+    out = run(cfg)
+    torch.cuda.synchronize()
+    if kind == "masked":
+        check_masked(out, a, sa, b, sb, layout)
+    else:
+        check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+    return cfg, run
+
+
 @pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x96", "128x192"])
 @pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
 def test_idle_half_warpgroup(kind, tile, gpu_device):
@@ -264,46 +311,14 @@ def test_idle_half_warpgroup(kind, tile, gpu_device):
     from dataclasses import replace
 
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
-    from fp8gemm.backends.family import DeviceFacts
-    from fp8gemm.problem import GemmKind, GemmProblem
 
-    n, k = 576, 1408
-    sizes = [1, 64, 65, 128, 129, 192, 193, 300, 0, 63]
-    g = len(sizes)
-    b, sb = grouped_b(g, n, k, gpu_device)
-    if kind == "masked":
-        mmax = 320
-        a, sa, _, _ = masked_case(g, mmax, n, k, gpu_device)
-        masked_m = torch.tensor(sizes, dtype=torch.int32, device=gpu_device)
-        layout, m, out_shape = masked_m, mmax, (g, mmax, n)
-    else:
-        if kind == "contiguous":
-            layout = contiguous_layout(sizes, 128, gpu_device)
-            groups = layout
-        else:
-            layout = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32,
-                                  device=gpu_device)
-            groups = torch.repeat_interleave(torch.arange(g, device=gpu_device),
-                                             torch.tensor(sizes, device=gpu_device)).int()
-        m = layout.numel() if kind == "contiguous" else sum(sizes)
-        a = torch.randn(m, k, device=gpu_device).to(E4M3)
-        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
-        out_shape = (m, n)
-    problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
-                          Recipe.BLOCK, torch.bfloat16, expected_m=128 if kind == "masked" else 0)
-    facts = DeviceFacts.of(gpu_device)
     bn, two_accum = (128, True) if tile == "128x128-two-accum" else (int(tile[4:]), False)
-    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=128, block_n=bn,
-                  num_stages=sm90.max_stages(128, bn, k, facts.smem_per_block, problem.kind),
-                  two_accum=two_accum, num_multicast=1, splits=1,
-                  grid=min(facts.num_sms, 2 * g * ceil_div(n, bn)))
-    out = torch.full(out_shape, NAN, dtype=torch.bfloat16, device=gpu_device)
-    sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, layout)
-    torch.cuda.synchronize()
-    if kind == "masked":
-        check_masked(out, a, sa, b, sb, layout)
-    else:
-        check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+    run_forced_grouped(
+        kind, [1, 64, 65, 128, 129, 192, 193, 300, 0, 63], 128, gpu_device,
+        lambda base, facts, p: replace(
+            base, block_m=128, block_n=bn, two_accum=two_accum, num_multicast=1, splits=1,
+            num_stages=sm90.max_stages(128, bn, p.k, facts.smem_per_block, p.kind),
+            grid=min(facts.num_sms, 2 * p.groups * ceil_div(p.n, bn))))
 
 
 @pytest.mark.parametrize("tile", ["64x128-two-accum", "64x128", "64x64-two-accum"])
@@ -311,50 +326,20 @@ def test_idle_half_warpgroup(kind, tile, gpu_device):
 def test_two_ctas_per_sm(kind, tile, gpu_device):
     """ctas_per_sm = 2 (built directly: the heuristic does not offer it): 64-row tiles, two CTAs
     resident on each SM with half the shared memory each, over groups of 0-300 rows; only the
-    groups' rows written, against float64."""
+    groups' rows written, against float64. The plan refuses two CTAs of 128-row tiles."""
     from dataclasses import replace
 
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
-    from fp8gemm.backends.family import DeviceFacts
-    from fp8gemm.problem import GemmKind, GemmProblem
 
-    n, k = 576, 1408
-    sizes = [1, 64, 65, 128, 129, 300, 0, 63]
-    g = len(sizes)
-    b, sb = grouped_b(g, n, k, gpu_device)
-    if kind == "masked":
-        mmax = 320
-        a, sa, _, _ = masked_case(g, mmax, n, k, gpu_device)
-        layout = torch.tensor(sizes, dtype=torch.int32, device=gpu_device)
-        m, out_shape = mmax, (g, mmax, n)
-    else:
-        layout = (contiguous_layout(sizes, 128, gpu_device) if kind == "contiguous" else
-                  torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32,
-                               device=gpu_device))
-        groups = (layout if kind == "contiguous" else
-                  torch.repeat_interleave(torch.arange(g, device=gpu_device),
-                                          torch.tensor(sizes, device=gpu_device)).int())
-        m = layout.numel() if kind == "contiguous" else sum(sizes)
-        a = torch.randn(m, k, device=gpu_device).to(E4M3)
-        sa = fp8gemm.get_col_major_tma_aligned_tensor(scales((m, ceil_div(k, 128)), gpu_device))
-        out_shape = (m, n)
-    problem = GemmProblem(GemmKind[kind.upper()], m, n, k, g, E4M3, E4M3, Recipe.GROUP,
-                          Recipe.BLOCK, torch.bfloat16, expected_m=64 if kind == "masked" else 0)
-    facts = DeviceFacts.of(gpu_device)
     bn, two_accum = int(tile[3:6].rstrip("-")), tile.endswith("two-accum")
-    cfg = replace(sm90.GROUPED.select_config(problem, facts), block_m=64, block_n=bn,
-                  num_stages=sm90.max_stages(64, bn, k, sm90.smem_limit(facts, 2), problem.kind),
-                  two_accum=two_accum, num_multicast=1, splits=1, ctas_per_sm=2,
-                  grid=2 * facts.num_sms)
-    out = torch.full(out_shape, NAN, dtype=torch.bfloat16, device=gpu_device)
-    sm90.GROUPED.run(cfg, problem, a, sa, b, sb, out, None, layout)
-    torch.cuda.synchronize()
-    if kind == "masked":
-        check_masked(out, a, sa, b, sb, layout)
-    else:
-        check_rows(out, reference_rows(a, sa, b, sb, groups), groups)
+    cfg, run = run_forced_grouped(
+        kind, [1, 64, 65, 128, 129, 300, 0, 63], 64, gpu_device,
+        lambda base, facts, p: replace(
+            base, block_m=64, block_n=bn, two_accum=two_accum, num_multicast=1, splits=1,
+            ctas_per_sm=2, grid=2 * facts.num_sms,
+            num_stages=sm90.max_stages(64, bn, p.k, sm90.smem_limit(facts, 2), p.kind)))
     with pytest.raises(ValueError, match="two CTAs an SM"):
-        sm90.GROUPED.run(replace(cfg, block_m=128), problem, a, sa, b, sb, out, None, layout)
+        run(replace(cfg, block_m=128))
 
 
 def test_bit_identical_repeats(gpu_device):
