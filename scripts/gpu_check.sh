@@ -146,8 +146,8 @@ fi
 probe_summary="skipped (PROBE=0)"
 if [[ "${PROBE:-0}" == "1" ]]; then
     echo "== mainloop probes -> $OUT/probe.log"
-    timeout --signal=INT --kill-after=10 90 python3 scripts/wgmma_probe.py --json "$OUT/probe.json" \
-        >"$OUT/probe.log" 2>&1
+    timeout --signal=INT --kill-after=10 90 \
+        python3 scripts/wgmma_probe.py --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
     rc=$?
     cat "$OUT/probe.log"
     probe_summary="rc $rc, $(grep -c 'cycles/k-block' "$OUT/probe.log") probes"

@@ -230,7 +230,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 
       // The wgmma of one k-block for wave w into `acc_`, on stage `stage_`.
       auto issue = [&](float (&acc_)[kNumAccum], uint32_t stage_, uint32_t w) {
-        const uint64_t desc_a = desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16);
+        const uint64_t desc_a =
+            desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16);
         const uint64_t desc_b = desc_b0 + stage_ * (Layout::SMEM_B / 16);
         if constexpr (kTurns) {
           // Two chains of BLOCK_N/2 columns: the second half of the accumulator is the wgmma D
