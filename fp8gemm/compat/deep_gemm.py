@@ -206,9 +206,8 @@ def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks, ks_tensor: torch
     (a_t, sa), (b_t, sb) = _transposed(a), _transposed(b)
     if use_psum_layout:
         # Each group takes the zero rows up to the next group's start as well: same sums.
-        psum = ks_tensor.to(torch.int64)
-        starts = _align_up(torch.cat([psum.new_zeros(1), psum[:-1]]), SCALE_BLOCK)
-        ends = torch.cat([starts[1:], psum.new_full((1,), a_t.shape[1])])
+        starts = _psum_starts(ks_tensor.to(torch.int64))
+        ends = torch.cat([starts[1:], starts.new_full((1,), a_t.shape[1])])
         ks_tensor = (ends - starts).clamp_min(0).to(torch.int32)
     elif ks is not None and any(int(k) % SCALE_BLOCK for k in ks):
         raise ValueError(f"ks must be multiples of {SCALE_BLOCK} (DeepGEMM's K alignment), got "
@@ -229,8 +228,11 @@ def _transposed(pair):
     return t.transpose(-1, -2), (s.transpose(-1, -2) if s.dim() == t.dim() else s)
 
 
-def _align_up(x: torch.Tensor, align: int) -> torch.Tensor:
-    return (x + align - 1) // align * align
+def _psum_starts(ends: torch.Tensor) -> torch.Tensor:
+    """Where the groups of a psum layout start: group 0 at 0, group g at psum[g-1] rounded up
+    to 128 (int64, on the device)."""
+    prev = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return (prev + SCALE_BLOCK - 1) // SCALE_BLOCK * SCALE_BLOCK
 
 
 def _psum_row_groups(psum: torch.Tensor, rows: int) -> torch.Tensor:
@@ -242,7 +244,7 @@ def _psum_row_groups(psum: torch.Tensor, rows: int) -> torch.Tensor:
                          f"{getattr(psum, 'dtype', type(psum).__name__)} "
                          f"{list(getattr(psum, 'shape', []))}")
     ends = psum.to(torch.int64)
-    starts = _align_up(torch.cat([ends.new_zeros(1), ends[:-1]]), SCALE_BLOCK)
+    starts = _psum_starts(ends)
     row = torch.arange(rows, device=psum.device)
     g = torch.searchsorted(ends, row, right=True).clamp_max(max(psum.numel() - 1, 0))
     inside = (row >= starts[g]) & (row < ends[g]) if psum.numel() else row < 0
