@@ -18,7 +18,11 @@ SM) re-derives num_stages in its share of shared memory; a changed block_m, bloc
 num_multicast, splits (the 1D2D family's split-K) or ctas_per_sm re-derives grid (a CTA per
 tile, or per tile and split, up to the SM count times ctas_per_sm, a multiple of the cluster;
 small-M: a changed block_m or num_splits, one CTA per tile and split).
---sweep adds every config of `candidate_configs`.
+--sweep adds every config of `candidate_configs`. --also FAMILY,... times each other family's
+own choice beside them, as a variant named after the family (the masked small-M family of
+`backends.cuda.TRIAL_FAMILIES` against the grouped family it would take masked problems from:
+`--family sm90_m_grouped_fp8_gemm_1d2d_small_m --kind masked --also sm90_m_grouped_fp8_gemm_1d2d`;
+there a changed block_m also re-derives num_slots, the token tiles per group in the grid).
 
 Each config runs through the family's public `run`, is checked against the float64 product of
 the dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shape's configs
@@ -61,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp8gemm import calc_diff  # noqa: E402
-from fp8gemm.backends.cuda import FAMILIES  # noqa: E402
+from fp8gemm.backends.cuda import FAMILIES, TRIAL_FAMILIES  # noqa: E402
 from fp8gemm.backends.cuda import (sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d,  # noqa: E402
                                    sm90_fp8_gemm_small_m)
 from fp8gemm.backends.family import DeviceFacts  # noqa: E402
@@ -187,6 +191,8 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
             and hasattr(cfg, "two_accum"):
         cfg = dataclasses.replace(cfg, two_accum=False)  # (split-K runs one accumulator)
     split = hasattr(cfg, "num_splits")  # the small-M family: one CTA per (tile, split), even rings
+    if split and problem.kind is GemmKind.MASKED and tile_changed and "num_slots" not in changes:
+        cfg = dataclasses.replace(cfg, num_slots=ceil_div(problem.expected_m, cfg.block_m))
     if "grid" not in changes and (split and ("num_splits" in changes or tile_changed)
                                   or any(f in changes for f in GRID_FIELDS)):
         if split:
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="sm90_fp8_gemm_1d2d",
-                    help=f"one of {', '.join(f.name for f in FAMILIES)}")
+                    help=f"one of {', '.join(f.name for f in FAMILIES + TRIAL_FAMILIES)}")
     ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
                                                          if k is not GemmKind.K_GROUPED]
                     + ["wgrad"])
@@ -223,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write every row here")
     ap.add_argument("--headers", default="",
                     help="NAME=DIR,...: also every variant built from DIR's kernel headers")
+    ap.add_argument("--also", default="",
+                    help="FAMILY,...: also time each family's own choice, as a variant")
     args = ap.parse_args(argv)
     try:
         headers = parse_headers(args.headers)
@@ -231,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     header_caches: dict[str, dict] = {name: {} for name in headers}
     if headers:
         os.environ["FP8GEMM_PDL"] = "0"  # (read when the plans build their launch configs)
-    fam = {f.name: f for f in FAMILIES}.get(args.family)
-    if fam is None:
-        ap.error(f"--family must be one of {', '.join(f.name for f in FAMILIES)}")
+    families = {f.name: f for f in FAMILIES + TRIAL_FAMILIES}
+    fam = families.get(args.family)
+    also = [families.get(x) for x in filter(None, args.also.split(","))]
+    if fam is None or None in also:
+        ap.error(f"--family and --also take names of {', '.join(families)}")
     specs = args.variants.split(",")
     changes = {spec: parse_variant(spec, fam.Config) for spec in specs}
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -278,21 +288,34 @@ def main(argv: list[str] | None = None) -> int:
             for i, cfg in enumerate(candidates):
                 if cfg not in configs.values():
                     configs[f"candidate{i}"] = cfg
+        runner = dict.fromkeys(configs, fam)  # variant -> the family that runs it
+        for other in also:
+            why = other.supports(problem)
+            if why is None:
+                try:
+                    configs[other.name] = other.select_config(problem, facts)
+                    runner[other.name] = other
+                except ValueError as e:
+                    why = str(e)
+            if why is not None:
+                print(f"{shape}: {other.name} does not run it: {why}", flush=True)
         calls = {}
         # every variant with this tree's headers, then with each of --headers'
         for h in headers:
-            configs.update({f"{x}@{h}": c for x, c in list(configs.items()) if "@" not in x})
+            for x, c in list(configs.items()):
+                if "@" not in x:
+                    configs[f"{x}@{h}"], runner[f"{x}@{h}"] = c, runner[x]
         for name, cfg in configs.items():
             # (wgrad: out += A . B^T, so out starts at zero; otherwise poisoned)
             out = torch.full(data.a.shape[:-1] + (n,), 0.0 if wgrad else float("nan"),
                              dtype=out_dtype, device=dev)
             h = name.partition("@")[2]
 
-            def fn(cfg=cfg, out=out, d=data, h=h):
+            def fn(cfg=cfg, out=out, d=data, h=h, f=runner[name]):
                 with (kernel_headers(headers[h], header_caches[h]) if h
                       else contextlib.nullcontext()):
-                    fam.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, out if wgrad else None,
-                            index)
+                    f.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, out if wgrad else None,
+                          index)
 
             try:
                 fn()

@@ -27,7 +27,8 @@ from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as sm
 from fp8gemm.backends.family import DeviceFacts
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, align, ceil_div
 from helpers import (TMA_LOAD_WITH_POLICY, TOL, assert_waits_before_global_access, calc_diff,
-                     col_major_tma, compiler_or_skip, poisoned, rand_fp8, rand_scales, ref_gemm)
+                     col_major_tma, compiler_or_skip, poisoned, rand_fp8, rand_scales, ref_gemm,
+                     ref_masked)
 
 E4M3 = torch.float8_e4m3fn
 H200 = DeviceFacts("NVIDIA H200", (9, 0), num_sms=132, smem_per_block=232448)
@@ -224,7 +225,7 @@ def test_plans_are_per_config_and_printed(monkeypatch, capsys):
 
 def test_no_launcher_for_scales_converted_per_call():
     sa = torch.zeros(64, 56)  # row-major: converted on every call
-    assert sm.launcher(problem(64, 2112, 7168), sa, torch.zeros(17, 56), None) is None
+    assert sm.launcher(sm.SMALL_M, problem(64, 2112, 7168), sa, torch.zeros(17, 56), None) is None
 
 
 # --- compile ---------------------------------------------------------------------------------------------
@@ -476,3 +477,246 @@ def test_model_cluster_slots_fit_the_device(gpu_device):
         err, count = cu.cuOccupancyMaxActiveClusters(func, lc)
         assert err == cu.CUresult.CUDA_SUCCESS, err
         assert sm.cluster_slots(splits, facts.num_sms) <= count, (splits, count)
+
+
+# --- the masked family (sm90_m_grouped_fp8_gemm_1d2d_small_m) ----------------------------------------
+def masked_problem(g, mmax, n, k, expected):
+    return problem(mmax, n, k, kind=GemmKind.MASKED, groups=g, expected_m=expected)
+
+
+def masked_config(g, mmax, n, k, expected, bm, splits, stages=None, slots=None):
+    """A masked config of bm-token tiles: `slots` token tiles per group in the grid (default:
+    those of the expected rows), `stages` the most that fit (default)."""
+    slots = ceil_div(expected, bm) if slots is None else slots
+    stages = sm.max_stages(bm, splits, k, H200.smem_per_block) if stages is None else stages
+    return sm.SmallMConfig(bm, splits, stages, g * slots * ceil_div(n, sm.BLOCK_N) * splits, slots)
+
+
+def test_masked_family_supports_masked_decode_sizes_only():
+    fam = sm.MASKED_SMALL_M
+    assert fam.supports(masked_problem(2, 512, 4096, 7168, 256)) is None
+    assert "expected_m=257" in fam.supports(masked_problem(2, 512, 4096, 7168, 257))
+    assert "masked" in fam.supports(problem(64, 4096, 7168))
+    assert "masked" in fam.supports(problem(64, 4096, 7168, kind=GemmKind.CONTIGUOUS, groups=2))
+    for kw, needle in [(dict(a_dtype=torch.float8_e5m2), "e4m3"), (dict(b_recipe=Recipe.GROUP),
+                                                                   "128x128")]:
+        assert needle in fam.supports(problem(64, 576, 512, kind=GemmKind.MASKED, groups=2,
+                                              expected_m=8, **kw))
+
+
+def test_masked_family_is_on_trial_only():
+    """Built and compile-checked, not offered: the backend's table does not hold it yet, so the
+    grouped family runs every masked problem."""
+    assert sm.MASKED_SMALL_M in cuda_backend.TRIAL_FAMILIES
+    assert sm.MASKED_SMALL_M not in cuda_backend.FAMILIES
+    p = masked_problem(1, 256, 4096, 7168, 128)
+    assert sm.MASKED_SMALL_M.declines(p, H200) is None  # the model would take it
+    assert cuda_backend.family_for(p, H200) is dense.GROUPED
+
+
+def test_masked_model_takes_one_or_two_experts_where_grouped_tiles_idle():
+    """One expert of 128 expected rows at N = 4096, K = 7168: the grouped family's 128-row tiles
+    are 32 wide to fill 128 SMs, and the small-M tiles split K in two instead; with four experts
+    the small-M tiles no longer fit one wave."""
+    p = masked_problem(1, 256, 4096, 7168, 128)
+    cfg = sm.MASKED_SMALL_M.select_config(p, H200)
+    assert (cfg.block_m, cfg.num_splits, cfg.num_slots, cfg.grid) == (128, 2, 1, 128)
+    why = sm.MASKED_SMALL_M.declines(masked_problem(4, 256, 4096, 7168, 64), H200)
+    assert "one wave" in why
+    why = sm.MASKED_SMALL_M.declines(masked_problem(2, 256, 4096, 7168, 64), H200)
+    assert "grouped family" in why
+
+
+@pytest.mark.parametrize("g,mmax,expected,n,k", [(1, 256, 128, 4096, 7168), (1, 64, 8, 7168, 2048),
+                                                 (2, 300, 200, 576, 7168), (1, 5, 3, 2112, 7168),
+                                                 (2, 1024, 40, 576, 1040)])
+def test_masked_configs_are_valid(g, mmax, expected, n, k):
+    """Every candidate covers the expected rows of every group in one wave; slots are the token
+    tiles of the expected rows (never past Mmax)."""
+    p = masked_problem(g, mmax, n, k, expected)
+    cands = sm.problem_candidates(p, H200)
+    assert cands
+    rows = min(expected, mmax)
+    for c in cands:
+        cfg = c.config
+        assert cfg.num_slots == ceil_div(rows, cfg.block_m)
+        assert cfg.block_m <= align(rows, 8)
+        tiles = g * cfg.num_slots * ceil_div(n, sm.BLOCK_N)
+        assert c.tiles == tiles and cfg.grid == tiles * cfg.num_splits
+        assert tiles <= sm.cluster_slots(cfg.num_splits, H200.num_sms)
+        assert cfg.smem(k) <= H200.smem_per_block and cfg.num_stages % 2 == 0
+    assert sm.MASKED_SMALL_M.select_config(p, H200) == cands[0].config
+    assert sm.MASKED_SMALL_M.candidate_configs(p, H200)[0] == cands[0].config
+
+
+def test_masked_model_prices_every_group():
+    """g groups move g times the bytes of one: where DRAM bounds (8 tokens, B 4096x7168 split in
+    four), the modelled time past the fixed and split costs doubles with two groups."""
+    fixed = sm.FIXED_US + sm.SPLIT_US
+    one = sm.estimate_us(8, 4096, 7168, 8, 4) - fixed
+    two = sm.estimate_us(8, 4096, 7168, 8, 4, groups=2) - fixed
+    assert one == pytest.approx(sm.dram_us(8, 4096, 7168), abs=1e-3)
+    assert two == pytest.approx(2 * one, abs=2e-3)
+
+
+def test_masked_plan_rejects_an_inconsistent_grid():
+    p = masked_problem(2, 256, 4096, 7168, 128)
+    with pytest.raises(ValueError, match="tiles x splits"):
+        sm.SmallMPlan(p, 0, sm.SmallMConfig(128, 1, 6, 64, 1))  # 2 x 64 tiles, grid 64
+    with pytest.raises(ValueError, match="at least one slot"):
+        sm.SmallMPlan(p, 0, sm.SmallMConfig(128, 1, 6, 0, 0))
+
+
+def _masked_variants():
+    """(N, K, config) masked kernels: the model's choices, the widest token tile with the
+    largest split, an 8-token tile split in 4 over a K tail, N below one tile of B."""
+    seen = {}
+    for g, mmax, expected, n, k in [(1, 256, 128, 4096, 7168), (1, 64, 8, 4096, 7168),
+                                    (1, 64, 8, 7168, 2048)]:
+        seen.setdefault((n, k, sm.MASKED_SMALL_M.select_config(
+            masked_problem(g, mmax, n, k, expected), H200)), None)
+    for n, k, bm, splits in [(4096, 7168, 160, 8), (56, 1040, 8, 4), (576, 320, 40, 3)]:
+        seen.setdefault((n, k, masked_config(1, 256, n, k, bm, bm, splits)), None)
+    return list(seen)
+
+
+def test_masked_variants_compile_clean(tmp_path, monkeypatch):
+    """As test_every_variant_compiles_clean, and the A scales come through the 3-D map (a box
+    never reads another group's), the group's rows are read after the dependency wait, and a
+    split's producer takes no part in the cluster barriers: the math warpgroups' two arrives per
+    tile are all there are."""
+    compiler_or_skip()
+    tool = _cuobjdump()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    variants = _masked_variants()
+    assert len(variants) >= 5
+    for n, k, cfg in variants:
+        what = f"masked N={n} K={k} {cfg}"
+        c = sm.compile_kernel(n, k, cfg, masked=True)[1]
+        assert not re.search(r"C751[459]", c.log), f"{what}\n{c.log}"
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", c.log)]
+        assert not spills or max(spills) == 0, f"{what}\n{c.log}"
+        path = tmp_path / "k.cubin"
+        path.write_bytes(c.cubin)
+        sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+        assert re.search(rf"QGMMA\.64x{cfg.block_m}x32", sass), what
+        assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory"
+        assert re.search(r"UTMALDG\.3D", sass), f"{what}: no 3-D load of the A scales"
+        assert_waits_before_global_access(sass, what)
+        arrives = len(re.findall(r"UCGABAR_ARV", sass))
+        assert arrives == (2 if cfg.num_splits > 1 else 0), f"{what}: {arrives} cluster arrives"
+
+
+def test_masked_host_layout_matches_the_kernel(tmp_path, monkeypatch):
+    """The masked kernel takes the dense one's shared-memory layout (smem_bytes)."""
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    cfg = masked_config(1, 256, 576, 320, 40, 40, 3)
+    source, name = sm.kernel_source(576, 320, cfg, masked=True)
+    assert name.endswith(", true>")
+    check = (f"static_assert(fp8gemm::Sm90Fp8GemmSmallMLayout<576, 320, 40, 3, {cfg.num_stages}>"
+             f"::kSmemBytes == {cfg.smem(320)}, \"smem\");\n")
+    from fp8gemm import jit
+
+    jit.compile_cached(source + check, name, (str(dense.INCLUDE_DIR),))
+
+
+# --- the masked family on the GPU ---------------------------------------------------------------------
+def masked_operands(g, mmax, n, k, device):
+    a = rand_fp8((g, mmax, k), E4M3, device)
+    b = rand_fp8((g, n, k), E4M3, device)
+    sa = col_major_tma(rand_scales((g, mmax, ceil_div(k, 128)), device))
+    sb = rand_scales((g, ceil_div(n, 128), ceil_div(k, 128)), device)
+    return a, sa, b, sb
+
+
+def run_masked(cfg, a, sa, b, sb, masked_m, expected, out=None):
+    g, mmax, k = a.shape
+    n = b.shape[1]
+    if out is None:
+        out = poisoned((g, mmax, n), torch.bfloat16, a.device)
+    sm.MASKED_SMALL_M.run(cfg, masked_problem(g, mmax, n, k, expected), a, sa, b, sb, out, None,
+                          masked_m)
+    return out
+
+
+def check_masked_out(out, a, sa, b, sb, masked_m, what=""):
+    """Rows below masked_m[g] (clamped to 0..Mmax) against float64, every other row still NaN."""
+    g, mmax, _ = a.shape
+    rows = masked_m.clamp(0, mmax)
+    ref = ref_masked(a, sa, Recipe.GROUP, b, sb, Recipe.BLOCK, rows)
+    past = torch.arange(mmax, device=a.device)[None, :] >= rows[:, None]
+    assert bool(torch.isnan(out[past]).all()), f"{what}: rows at or past masked_m written"
+    done = ~past
+    if bool(done.any()):
+        assert not bool(torch.isnan(out[done]).any()), f"{what}: rows below masked_m not written"
+        diff = calc_diff(out[done], ref[done])
+        assert diff < TOL_BF16, f"{what}: calc_diff {diff:.3g}"
+
+
+# (G, Mmax, N, K, expected, bm, splits, stages, slots, masked_m): the model's choice at one expert;
+# a cluster walking three token tiles of one slot (K = 7168 in 3 splits: 18 and 19 k-blocks a
+# CTA, so the ring's parity moves between tiles) and an 8-token tile over two; groups with no
+# rows, one row, rows past the expected and the full Mmax; N below one tile of B with a K tail;
+# Mmax smaller than the token tile.
+MASKED_FORCED = [
+    (1, 256, 4096, 7168, 128, 128, 2, 6, 1, [128]),
+    (2, 384, 2112, 7168, 128, 128, 3, 6, 1, [384, 300]),
+    (3, 100, 576, 7168, 8, 8, 4, 8, 2, [0, 1, 100]),
+    (2, 200, 56, 1040, 64, 64, 8, 2, 1, [200, 65]),
+    (2, 5, 2112, 7168, 3, 8, 2, 16, 1, [5, 2]),
+    (4, 160, 576, 320, 40, 40, 3, 2, 2, [40, 0, 160, 81]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,mmax,n,k,expected,bm,splits,stages,slots,counts", MASKED_FORCED,
+                         ids=lambda v: str(v))
+def test_masked_forced_configs(g, mmax, n, k, expected, bm, splits, stages, slots, counts,
+                               gpu_device):
+    cfg = sm.SmallMConfig(bm, splits, stages, g * slots * ceil_div(n, sm.BLOCK_N) * splits, slots)
+    a, sa, b, sb = masked_operands(g, mmax, n, k, gpu_device)
+    masked_m = torch.tensor(counts, dtype=torch.int32, device=gpu_device)
+    out = run_masked(cfg, a, sa, b, sb, masked_m, expected)
+    torch.cuda.synchronize()
+    check_masked_out(out, a, sa, b, sb, masked_m, f"{cfg} masked_m={counts}")
+
+
+@pytest.mark.gpu
+def test_masked_model_choice_and_bad_values(gpu_device):
+    """The model's config over random masked_m, then values past Mmax and negative (clamped:
+    Mmax rows and none), repeated: the same bits every run."""
+    g, mmax, n, k, expected = 2, 256, 4096, 7168, 128
+    p = masked_problem(g, mmax, n, k, expected)
+    cfg = sm.MASKED_SMALL_M.select_config(p, DeviceFacts.of(gpu_device))
+    a, sa, b, sb = masked_operands(g, mmax, n, k, gpu_device)
+    for counts in ([int(v) for v in torch.randint(0, mmax + 1, (g,))], [1000, -5]):
+        masked_m = torch.tensor(counts, dtype=torch.int32, device=gpu_device)
+        out = run_masked(cfg, a, sa, b, sb, masked_m, expected)
+        again = run_masked(cfg, a, sa, b, sb, masked_m, expected)
+        torch.cuda.synchronize()
+        check_masked_out(out, a, sa, b, sb, masked_m, f"{cfg} masked_m={counts}")
+        assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
+    """One capture, replays with new masked_m values in the same buffer, fewer and more rows
+    than expected (a slot's cluster walking two token tiles): each replay computes exactly the
+    rows the current values say."""
+    g, mmax, n, k, expected = 2, 128, 2112, 7168, 32
+    cfg = masked_config(g, mmax, n, k, expected, 32, 2)
+    a, sa, b, sb = masked_operands(g, mmax, n, k, gpu_device)
+    masked_m = torch.full((g,), expected, dtype=torch.int32, device=gpu_device)
+    out = poisoned((g, mmax, n), torch.bfloat16, gpu_device)
+    run_masked(cfg, a, sa, b, sb, masked_m, expected, out)  # compile, load, encode outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_masked(cfg, a, sa, b, sb, masked_m, expected, out)
+    for values in ([1, 0], [0, 0], [128, 33], [64, 127]):
+        masked_m.copy_(torch.tensor(values, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_masked_out(out, a, sa, b, sb, masked_m, f"replay masked_m={values}")

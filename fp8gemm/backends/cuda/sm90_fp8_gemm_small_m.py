@@ -1,4 +1,4 @@
-"""The sm90 small-M (decode) kernel family: A scaled per 1x128 group, B per 128x128 block, bf16
+"""The sm90 small-M (decode) kernel families: A scaled per 1x128 group, B per 128x128 block, bf16
 out, computed as D^T = B . A^T and split along K over a thread-block cluster.
 
 Kernel: include/fp8gemm/sm90_fp8_gemm_small_m.cuh. N, K, the token tile, the split and the
@@ -7,8 +7,16 @@ a tile is 64 rows of B (wgmma's 64-row side) by `block_m` tokens (wgmma's N, 8..
 `num_splits` CTAs of a cluster share its K range and sum their FP32 partial tiles in rank order
 through distributed shared memory.
 
-The family sits before the dense one in the backend's table and takes only the problems its
-model says it runs faster (`declines`); everything else stays with `sm90_fp8_gemm_1d2d`.
+Two families share the kernel:
+- `SMALL_M` (dense) sits before the dense family in the backend's table and takes only the
+  problems its model says it runs faster (`declines`); everything else stays with
+  `sm90_fp8_gemm_1d2d`.
+- `MASKED_SMALL_M`: the masked grouped GEMM of decode MoE at few expected rows per expert, where
+  the grouped family's tiles leave SMs idle (one or two experts a GPU under wide expert
+  parallelism: 32 tiles of 128x128 at N = 4096). The grid holds `num_slots` token tiles per
+  group, from the host's expected rows; each cluster walks its group's token tiles below
+  `masked_m[g]`, so any `masked_m` up to Mmax is computed. Its model compares against the grouped
+  family's; `backends.cuda.TRIAL_FAMILIES` lists it until the H200 has run its GPU tests.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from ..family import DeviceFacts, KernelFamily
 from . import sm90_fp8_gemm_1d2d as dense
 from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
 
-__all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "SMALL_M", "smem_bytes", "stage_bytes",
-           "stage_target", "max_stages", "cluster_slots", "token_tiles", "estimate_us",
-           "dense_estimate_us", "candidates",
+__all__ = ["SmallMConfig", "Sm90Fp8Gemm1d2dSmallM", "Sm90MGroupedFp8Gemm1d2dSmallM", "SMALL_M",
+           "MASKED_SMALL_M", "smem_bytes", "stage_bytes", "stage_target", "max_stages",
+           "cluster_slots", "token_tiles", "estimate_us", "dense_estimate_us", "expected_rows",
+           "candidates", "problem_candidates",
            "kernel_source", "compile_kernel", "launcher", "BLOCK_K", "BLOCK_N", "MAX_M",
            "MAX_BLOCK_M", "MAX_SPLITS", "NUM_THREADS"]
 
@@ -156,6 +165,7 @@ class SmallMConfig:
     num_splits: int  # CTAs per cluster, each over a contiguous range of the k-blocks
     num_stages: int
     grid: int  # CTAs: tiles x num_splits
+    num_slots: int = 1  # masked: token tiles per group in the grid (dense: 1)
 
     @property
     def block_n(self) -> int:
@@ -170,8 +180,9 @@ class SmallMConfig:
         return smem_bytes(self.block_m, self.num_splits, self.num_stages, k)
 
     def __str__(self) -> str:
+        slots = f" slots={self.num_slots}" if self.num_slots > 1 else ""
         return (f"swap-AB BLOCK {BLOCK_N}(N)x{self.block_m}(M)x{BLOCK_K} split-K={self.num_splits} "
-                f"stages={self.num_stages} grid={self.grid} cluster={self.num_splits} "
+                f"stages={self.num_stages} grid={self.grid} cluster={self.num_splits}{slots} "
                 f"threads={NUM_THREADS}")
 
 
@@ -191,27 +202,39 @@ def dram_us(m: int, n: int, k: int, token_tiles: int = 1) -> float:
     return (n * k * (1 + REREAD_B * (token_tiles - 1)) + m * k + 2 * m * n) / DRAM_BYTES_PER_US
 
 
-def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int) -> float:
-    """Modelled time of the small-M kernel (the cost model above), rounded so that configs the
-    model prices alike tie exactly and the tie-breaks decide."""
+def estimate_us(m: int, n: int, k: int, block_m: int, num_splits: int, groups: int = 1) -> float:
+    """Modelled time of the small-M kernel (the cost model above) for `groups` GEMMs of M = m
+    rows each, rounded so that configs the model prices alike tie exactly and the tie-breaks
+    decide."""
     a_rows = min(block_m, m)
     mma = 2 * BLOCK_N * block_m / (block_m / align(block_m, 32))
     per_k = max(mma, dense.LOAD_WEIGHT * (BLOCK_N + a_rows))
     kb = ceil_div(ceil_div(k, BLOCK_K), num_splits)
     cta = kb * BLOCK_K * per_k / SM_FLOPS_PER_US
     split = SPLIT_US if num_splits > 1 else 0.0
-    return round(FIXED_US + max(dram_us(m, n, k, ceil_div(m, block_m)), cta) + split, 3)
+    dram = groups * dram_us(m, n, k, ceil_div(m, block_m))
+    return round(FIXED_US + max(dram, cta) + split, 3)
 
 
 def dense_estimate_us(problem: GemmProblem, facts: DeviceFacts) -> float:
-    """The same model for the dense family's chosen config: its persistent CTAs walk
-    ceil(tiles / grid) tiles of all of K each, at that family's tile cost."""
-    m, n, k = problem.m, problem.n, problem.k
-    cfg = dense.DENSE.select_config(problem, facts)
-    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    """The same model for the config the dense family (dense problems) or the grouped family
+    (masked) chooses: its persistent CTAs walk ceil(tiles / grid) tiles of all of K each, at
+    that family's tile cost."""
+    m, n, k, groups = problem.m, problem.n, problem.k, 1
+    if problem.kind is GemmKind.MASKED:
+        m, groups = expected_rows(problem), problem.groups
+        cfg = dense.GROUPED.select_config(problem, facts)
+    else:
+        cfg = dense.DENSE.select_config(problem, facts)
+    tiles = groups * ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     per_tile = ceil_div(k, BLOCK_K) * BLOCK_K * dense.tile_cost(cfg.block_m, cfg.block_n, k)
     cta = ceil_div(tiles, cfg.grid) * per_tile / SM_FLOPS_PER_US
-    return round(FIXED_US + max(dram_us(m, n, k), cta), 3)
+    return round(FIXED_US + max(groups * dram_us(m, n, k), cta), 3)
+
+
+def expected_rows(problem: GemmProblem) -> int:
+    """Rows per group the masked model prices: the caller's expected_m, within 1..Mmax."""
+    return min(max(1, problem.expected_m), max(1, problem.m))
 
 
 @dataclass(frozen=True)
@@ -221,55 +244,68 @@ class Candidate:
     us: float  # estimate_us
 
 
-def candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
+def candidates(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
+               masked: bool = False) -> list[Candidate]:
     """Every one-wave config that fits shared memory, with its modelled time, best first:
-    least time; among equals fewer splits (less reduction), then fewer tiles."""
+    least time; among equals fewer splits (less reduction), then fewer tiles. Masked: `groups`
+    GEMMs of m expected rows each, the grid holding each group's token tiles (`num_slots`)."""
     out = []
     num_kb = ceil_div(k, BLOCK_K)
     for bm in token_tiles(m):
-        tiles = ceil_div(m, bm) * ceil_div(n, BLOCK_N)
+        slots = ceil_div(m, bm)
+        tiles = groups * slots * ceil_div(n, BLOCK_N)
         for splits in range(1, min(MAX_SPLITS, num_kb) + 1):
             if tiles > cluster_slots(splits, facts.num_sms):
                 continue
             stages = max_stages(bm, splits, k, facts.smem_per_block)
             if stages == 0:
                 continue
-            cfg = SmallMConfig(bm, splits, stages, tiles * splits)
-            out.append(Candidate(cfg, tiles, estimate_us(m, n, k, bm, splits)))
+            cfg = SmallMConfig(bm, splits, stages, tiles * splits, slots if masked else 1)
+            out.append(Candidate(cfg, tiles, estimate_us(m, n, k, bm, splits, groups)))
     out.sort(key=lambda c: (c.us, c.config.num_splits, c.tiles))
     return out
 
 
+def problem_candidates(problem: GemmProblem, facts: DeviceFacts) -> list[Candidate]:
+    """`candidates` of a dense or masked problem (masked: its expected rows per group)."""
+    if problem.kind is GemmKind.MASKED:
+        return candidates(expected_rows(problem), problem.n, problem.k, facts, problem.groups,
+                          masked=True)
+    return candidates(problem.m, problem.n, problem.k, facts)
+
+
 @functools.lru_cache(maxsize=4096)
-def _select(m: int, n: int, k: int, facts: DeviceFacts) -> SmallMConfig | None:
-    cands = candidates(m, n, k, facts)
+def _select(problem: GemmProblem, facts: DeviceFacts) -> SmallMConfig | None:
+    cands = problem_candidates(problem, facts)
     return cands[0].config if cands else None
 
 
 @functools.lru_cache(maxsize=4096)
 def _declines(problem: GemmProblem, facts: DeviceFacts) -> str | None:
-    cands = candidates(problem.m, problem.n, problem.k, facts)
+    cands = problem_candidates(problem, facts)
     if not cands:
         return (f"no config fits one wave of {facts.num_sms} SMs (N/{BLOCK_N} x M/"
                 f"{MAX_BLOCK_M} tiles, at least one cluster each)")
     mine, theirs = cands[0].us, dense_estimate_us(problem, facts)
     if mine >= WIN_FACTOR * theirs:
-        return f"modelled {mine:.2f} us against the dense family's {theirs:.2f} us"
+        other = "grouped" if problem.kind is GemmKind.MASKED else "dense"
+        return f"modelled {mine:.2f} us against the {other} family's {theirs:.2f} us"
     return None
 
 
 # --- kernel source -------------------------------------------------------------------------------
-def kernel_source(n: int, k: int, cfg: SmallMConfig) -> tuple[str, str]:
-    """(source, name expression) of the kernel instance for (N, K, config)."""
+def kernel_source(n: int, k: int, cfg: SmallMConfig, masked: bool = False) -> tuple[str, str]:
+    """(source, name expression) of the kernel instance for (N, K, config), dense or masked."""
     source = "#include <fp8gemm/sm90_fp8_gemm_small_m.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_small_m_kernel<{n}, {k}, {cfg.block_m}, "
-            f"{cfg.num_splits}, {cfg.num_stages}>")
+            f"{cfg.num_splits}, {cfg.num_stages}, {'true' if masked else 'false'}>")
     return source, name
 
 
-def compile_kernel(n: int, k: int, cfg: SmallMConfig, compiler: str | None = None):
+def compile_kernel(n: int, k: int, cfg: SmallMConfig, compiler: str | None = None,
+                   masked: bool = False):
     """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
-    source, name = kernel_source(n, k, cfg)
+    source, name = kernel_source(n, k, cfg, masked)
     return jit.compile_cached(source, name, (str(dense.INCLUDE_DIR),), compiler=compiler)
 
 
@@ -278,24 +314,27 @@ class SmallMPlan:
     """Everything fixed for one (problem, device, config): kernel, launch config, and the
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
 
-    __slots__ = ("cfg", "kernel", "launch", "device_index", "m", "n", "k", "packs", "tmaps",
-                 "sm_override")
+    __slots__ = ("cfg", "kernel", "launch", "device_index", "m", "n", "k", "groups", "masked",
+                 "packs", "tmaps", "sm_override")
 
     def __init__(self, problem: GemmProblem, device_index: int, cfg: SmallMConfig) -> None:
         self.sm_override = num_sms_override()
         self.cfg, self.m, self.n, self.k = cfg, problem.m, problem.n, problem.k
-        tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, BLOCK_N)
+        self.masked = problem.kind is GemmKind.MASKED
+        self.groups = problem.groups if self.masked else 1
+        m_tiles = cfg.num_slots if self.masked else ceil_div(problem.m, cfg.block_m)
+        tiles = self.groups * m_tiles * ceil_div(problem.n, BLOCK_N)
         if cfg.grid != tiles * cfg.num_splits or not 1 <= cfg.num_splits <= MAX_SPLITS \
-                or cfg.num_splits > ceil_div(problem.k, BLOCK_K):
+                or cfg.num_splits > ceil_div(problem.k, BLOCK_K) or cfg.num_slots < 1:
             raise ValueError(f"config {cfg}: grid must be tiles x splits = {tiles} x "
                              f"{cfg.num_splits}, with 1..{MAX_SPLITS} splits of at least one "
-                             f"k-block each")
+                             f"k-block each (and at least one slot)")
         if cfg.num_stages < MIN_STAGES or cfg.num_stages % 2:
             raise ValueError(f"config {cfg}: the kernel takes an even number of stages, at least "
                              f"{MIN_STAGES}")
         self.device_index = device_index
         smem = cfg.smem(problem.k)
-        self.kernel = jit.build(*kernel_source(problem.n, problem.k, cfg),
+        self.kernel = jit.build(*kernel_source(problem.n, problem.k, cfg, self.masked),
                                 (str(dense.INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)
         self.launch = jit.LaunchConfig((cfg.grid, 1, 1), (NUM_THREADS, 1, 1), smem,
@@ -304,29 +343,42 @@ class SmallMPlan:
         self.tmaps = jit.TensorMapCache(capacity=512)
 
     def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-               out: torch.Tensor, key: tuple) -> jit.ParamPack:
-        cfg, m, n, k, tm = self.cfg, self.m, self.n, self.k, self.tmaps
+               out: torch.Tensor, ld: int, masked_m: torch.Tensor | None,
+               key: tuple) -> jit.ParamPack:
+        cfg, m, n, k, g, tm = self.cfg, self.m, self.n, self.k, self.groups, self.tmaps
+        kb = ceil_div(k, BLOCK_K)
         # NOTE: boxes of min(BLOCK_M, M) token rows and min(64, N) rows of B: the kernel expects
-        # exactly these bytes per stage.
-        map_a = tm.get(a.dtype, a.data_ptr(), (k, m), (row_stride(a) * a.element_size(),),
+        # exactly these bytes per stage. Masked, A, B and D are their groups' rows one after
+        # another (M = Mmax), and the A scales a 3-D map, so that a box never reads another
+        # group's.
+        a_stride = (row_stride(a.view(-1, k)) * a.element_size(),)
+        map_a = tm.get(a.dtype, a.data_ptr(), (k, g * m), a_stride,
                        (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
-        map_b = tm.get(b.dtype, b.data_ptr(), (k, n), (k * b.element_size(),),
+        map_b = tm.get(b.dtype, b.data_ptr(), (k, g * n), (k * b.element_size(),),
                        (BLOCK_K, min(BLOCK_N, n)), jit.Swizzle.B128)
         mp = align(m, 4)  # the A-scale column stride (layout.get_col_major_tma_aligned_tensor)
-        map_sa = tm.get(torch.float32, sa.data_ptr(), (m, ceil_div(k, BLOCK_K)), (mp * 4,),
-                        (cfg.block_m, 1))
+        if self.masked:
+            map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb, g), (mp * 4, kb * mp * 4),
+                            (cfg.block_m, 1, 1))
+        else:
+            map_sa = tm.get(torch.float32, sa.data_ptr(), (m, kb), (mp * 4,), (cfg.block_m, 1))
         pack = jit.ParamPack([ctypes.c_uint64(sb.data_ptr()), ctypes.c_uint32(m),
-                              ctypes.c_uint64(out.data_ptr()), ctypes.c_uint32(row_stride(out)),
-                              map_a, map_b, map_sa])
+                              ctypes.c_uint64(out.data_ptr()), ctypes.c_uint32(ld),
+                              map_a, map_b, map_sa,
+                              ctypes.c_uint64(0 if masked_m is None else masked_m.data_ptr()),
+                              ctypes.c_uint32(cfg.num_slots)])
         if len(self.packs) >= 1024:
             self.packs.clear()
         self.packs[key] = pack
         return pack
 
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-            out: torch.Tensor) -> None:
-        """out = (a * sa) @ (b * sb)^T; tensors as the backend contract hands them over (a, b
-        contiguous; scales float32, any strides); out [M, N] contiguous or rows of any stride."""
+            out: torch.Tensor, masked_m: torch.Tensor | None = None) -> None:
+        """out = (a * sa) @ (b * sb)^T (per group when masked); tensors as the backend contract
+        hands them over (a, b, masked_m contiguous; scales float32, any strides); dense out
+        [M, N] contiguous or rows of any stride, masked out [G, Mmax, N] contiguous."""
+        if self.masked and masked_m is None:
+            raise ValueError("the masked small-M kernel needs masked_m")
         sa = kernel_a_scales(sa)
         if not sb.is_contiguous():
             sb = sb.contiguous()
@@ -334,16 +386,20 @@ class SmallMPlan:
         if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
             # A contiguous view at an odd storage offset: TMA cannot address it (slow path).
             a, b = tma_aligned(a), tma_aligned(b)
-        ld = row_stride(out)
-        if out.data_ptr() % 16 or ld % 8 or out.stride(-1) != 1:
+        # Output rows: dense any row stride; masked [G, Mmax, N] as G * Mmax rows of N.
+        ld = self.n if self.masked else row_stride(out)
+        if out.data_ptr() % 16 or ld % 8 or out.stride(-1) != 1 or \
+                (self.masked and not out.is_contiguous()):
             # The kernel stores 16 bytes at a time: rows on 16 bytes, elements contiguous.
-            dst, ld = torch.empty_like(out, memory_format=torch.contiguous_format), self.n
+            # NOTE: masked rows at or past masked_m are left untouched: start from out's values.
+            dst, ld = out.clone(memory_format=torch.contiguous_format), self.n
         # NOTE: with a, b contiguous and the plan fixing the shapes, these pointers, sa's strides
         # (fixed per call site) and out's row stride are all the arguments depend on.
-        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(), ld)
+        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(), ld,
+               0 if masked_m is None else masked_m.data_ptr())
         pack = self.packs.get(key)
         if pack is None:
-            pack = self.params(a, sa, b, sb, dst, key)
+            pack = self.params(a, sa, b, sb, dst, ld, masked_m, key)
         launch(self.kernel, self.launch, self.device_index, pack)
         if dst is not out:
             out.copy_(dst)
@@ -354,29 +410,22 @@ _plans: dict[tuple, SmallMPlan] = {}
 
 def get_plan(problem: GemmProblem, device_index: int, cfg: SmallMConfig) -> SmallMPlan:
     """The plan of (problem, device, config), built on first use."""
-    key = (problem.m, problem.n, problem.k, device_index, cfg)
-    return cached_plan(_plans, key, lambda: SmallMPlan(problem, device_index, cfg), SMALL_M.name,
+    key = (problem.kind, problem.m, problem.n, problem.k, problem.groups, device_index, cfg)
+    fam = MASKED_SMALL_M if problem.kind is GemmKind.MASKED else SMALL_M
+    return cached_plan(_plans, key, lambda: SmallMPlan(problem, device_index, cfg), fam.name,
                        problem, cfg)
 
 
-# --- family ----------------------------------------------------------------------------------------
-class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
-    """Dense GEMMs of M <= MAX_M, swapped (B fills wgmma's 64-row side) and split along K over
-    a cluster; declines what the dense family runs faster by the model."""
-
-    name = "sm90_fp8_gemm_1d2d_small_m"
+# --- families --------------------------------------------------------------------------------------
+class _SmallMFamily(KernelFamily):
     Config = SmallMConfig
 
-    def supports(self, problem: GemmProblem) -> str | None:
-        if problem.kind is not GemmKind.DENSE:
-            return f"takes dense GEMMs, not {problem.kind.value}"
+    def _refusal(self, problem: GemmProblem) -> str | None:
         why = dense._common_refusal(problem)
         if why is not None:
             return why
         if problem.a_dtype != torch.float8_e4m3fn:
             return "takes A in e4m3 only (A is wgmma's e4m3 B operand here)"
-        if problem.m > MAX_M:
-            return f"takes M <= {MAX_M} (decode sizes), got M={problem.m}"
         if problem.has_c:
             return "has no C input (the dense family adds C)"
         return None
@@ -385,7 +434,7 @@ class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
         return _declines(problem, facts)
 
     def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> SmallMConfig:
-        cfg = _select(problem.m, problem.n, problem.k, facts)
+        cfg = _select(problem, facts)
         if cfg is None:
             raise ValueError(f"{self.name} has no one-wave config for {problem} on "
                              f"{facts.num_sms} SMs: {_declines(problem, facts)}")
@@ -393,10 +442,24 @@ class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
 
     def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[SmallMConfig]:
         """Every one-wave config that fits, the chosen one first."""
-        return [c.config for c in candidates(problem.m, problem.n, problem.k, facts)]
+        return [c.config for c in problem_candidates(problem, facts)]
 
     def config_for(self, problem: GemmProblem, device: torch.device) -> SmallMConfig:
         return self.select_config(problem, DeviceFacts.of(device))
+
+
+class Sm90Fp8Gemm1d2dSmallM(_SmallMFamily):
+    """Dense GEMMs of M <= MAX_M, swapped (B fills wgmma's 64-row side) and split along K over
+    a cluster; declines what the dense family runs faster by the model."""
+
+    name = "sm90_fp8_gemm_1d2d_small_m"
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind is not GemmKind.DENSE:
+            return f"takes dense GEMMs, not {problem.kind.value}"
+        if problem.m > MAX_M:
+            return f"takes M <= {MAX_M} (decode sizes), got M={problem.m}"
+        return self._refusal(problem)
 
     def run(self, config: SmallMConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
             b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
@@ -408,7 +471,30 @@ class Sm90Fp8Gemm1d2dSmallM(KernelFamily):
         get_plan(problem, a.device.index, config).run(a, sa, b, sb, out)
 
 
+class Sm90MGroupedFp8Gemm1d2dSmallM(_SmallMFamily):
+    """Masked grouped GEMMs of at most MAX_M expected rows per group, swapped and split along K
+    as the dense small-M GEMMs; declines what the grouped family runs faster by the model."""
+
+    name = "sm90_m_grouped_fp8_gemm_1d2d_small_m"
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        if problem.kind is not GemmKind.MASKED:
+            return f"takes masked grouped GEMMs, not {problem.kind.value}"
+        if expected_rows(problem) > MAX_M:
+            return (f"takes at most {MAX_M} expected rows per group (decode sizes), got "
+                    f"expected_m={problem.expected_m}")
+        return self._refusal(problem)
+
+    def run(self, config: SmallMConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
+            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
+            index: torch.Tensor | None = None) -> None:
+        if c is not None:
+            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
+        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out, index)
+
+
 SMALL_M = Sm90Fp8Gemm1d2dSmallM()
+MASKED_SMALL_M = Sm90MGroupedFp8Gemm1d2dSmallM()
 
 
 # --- the ops layer's warm-call fast path ---------------------------------------------------------
@@ -417,34 +503,40 @@ class _Launcher:
     plan's argument packs launches at once; anything else (new pointers, set_num_sms since)
     goes to `slow`, the backend's full path, which chooses the family again."""
 
-    __slots__ = ("plan", "problem", "device", "device_index", "slow")
+    __slots__ = ("family", "plan", "problem", "device", "device_index", "slow", "masked")
 
-    def __init__(self, problem: GemmProblem, device: torch.device, slow) -> None:
-        self.plan = get_plan(problem, device.index, SMALL_M.config_for(problem, device))
-        self.problem, self.device, self.device_index, self.slow = (problem, device, device.index,
-                                                                   slow)
+    def __init__(self, family: _SmallMFamily, problem: GemmProblem, device: torch.device,
+                 slow) -> None:
+        self.plan = get_plan(problem, device.index, family.config_for(problem, device))
+        self.family, self.problem, self.device, self.device_index, self.slow = (
+            family, problem, device, device.index, slow)
+        self.masked = problem.kind is GemmKind.MASKED
 
     def run(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-            out: torch.Tensor, c: torch.Tensor | None) -> None:
+            out: torch.Tensor, x: torch.Tensor | None) -> None:
+        """`x`: a dense call's c (the families take none: `slow` says so), a masked call's
+        masked_m."""
         plan = self.plan
         # SmallMPlan.run's pack key; out is contiguous here, so its row stride is N.
         pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr(), plan.n))
+                               out.data_ptr(), plan.n, x.data_ptr() if self.masked else 0))
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:
-            self.slow(a, sa, b, sb, out, c)
+            self.slow(a, sa, b, sb, out, x)
             if plan.sm_override != num_sms_override():
                 facts = DeviceFacts.of(self.device)
-                if SMALL_M.declines(self.problem, facts) is None:
+                if self.family.declines(self.problem, facts) is None:
                     self.plan = get_plan(self.problem, self.device_index,
-                                         SMALL_M.select_config(self.problem, facts))
+                                         self.family.select_config(self.problem, facts))
 
 
-def launcher(problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor, slow):
-    """`_Launcher.run` for warm calls with contiguous a, b, out and scales with the metadata of
-    sa and sb, or None when those scales need converting on every call (the general path).
-    `slow(a, sa, b, sb, out, c)` runs a call the launcher has no argument pack for."""
+def launcher(family: _SmallMFamily, problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor,
+             slow):
+    """`_Launcher.run` of `family` (SMALL_M or MASKED_SMALL_M) for warm calls with contiguous
+    a, b, out (and masked_m) and scales with the metadata of sa and sb, or None when those
+    scales need converting on every call (the general path). `slow(a, sa, b, sb, out, x)` runs
+    a call the launcher has no argument pack for."""
     if not (is_col_major_tma_aligned(sa) and sb.is_contiguous()):
         return None
-    return _Launcher(problem, sa.device, slow).run
+    return _Launcher(family, problem, sa.device, slow).run
