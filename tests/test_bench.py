@@ -83,8 +83,20 @@ def test_irregular_suite_has_awkward_shapes():
     assert 0 < len(quick) < len(cases) and set(quick) <= set(cases)
 
 
+def test_decode_suite_is_few_masked_experts():
+    """One, two and four local experts of 32 and 128 rows on both expert shapes: every case
+    masked, full groups, priced against the memory floor (at most 128 rows a group)."""
+    cases = suites.suite_cases("moe-decode")
+    assert {(c.groups, c.m) for c in cases} == {(g, m) for g in (1, 2, 4) for m in (32, 128)}
+    assert {(c.n, c.k) for c in cases} == {(4096, 7168), (7168, 2048)} and len(cases) == 12
+    assert all(c.op == "masked" and not c.sizes and c.mmax == c.m for c in cases)
+    row = report.make_row("moe-decode", "masked", cases[0].shape, "fp8gemm-cuda", 20.0, 25.0,
+                          1.0, 1.0, 0.0)
+    assert report.floor_us(row) == pytest.approx(cases[0].floor_us)
+
+
 def test_all_suite_and_unknown_suite():
-    assert len(suites.suite_cases("all")) == 18 + 10 + 24 + 90 + 18 + 28 + 2
+    assert len(suites.suite_cases("all")) == 18 + 10 + 24 + 90 + 18 + 28 + 2 + 12
     assert suites.suite_cases("deepseek-dense", quick=True) == suites.suite_cases("deepseek-dense")
     with pytest.raises(ValueError, match="suite must be one of"):
         suites.suite_cases("nope")

@@ -108,6 +108,24 @@ def test_deep_ring_for_thin_tiles_with_rows():
     assert [c.num_stages for c in thin if (c.block_m, c.block_n) == g.DEEP_RING_TILE] == [g.MAX_STAGES]
 
 
+@pytest.mark.parametrize("k", [2048, 7168, 16384])
+def test_deep_ring_for_one_masked_expert(k, tmp_path, monkeypatch):
+    """One masked expert of 64 expected rows at N = 4096 runs 64x32 tiles (128 of them) through
+    the dense ring depth, and that kernel compiles without spills; 8 expected rows keep the
+    grouped kinds' cap."""
+    def masked(expected):
+        return problem(256, 4096, k, kind=GemmKind.MASKED, groups=1, expected_m=expected)
+
+    cfg = g.GROUPED.select_config(masked(64), H200)
+    assert (cfg.block_m, cfg.block_n) == g.DEEP_RING_TILE and cfg.num_stages == g.DEEP_RING_STAGES
+    few = g.GROUPED.select_config(masked(8), H200)
+    assert few.num_stages == g.GROUPED_MAX_STAGES
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
+    log = g.compile_kernel(GemmKind.MASKED, 4096, k, cfg)[1].log
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes spill", log)), log
+
+
 @pytest.mark.parametrize("facts", [H200, H100_PCIE], ids=["h200", "h100pcie"])
 @pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD)
 def test_config_properties(m, n, k, facts):
@@ -625,14 +643,15 @@ def test_skewed_grouped_tiles_as_measured():
 
 def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
     """Every grouped kernel above and every pick of the bench's moe-skewed suite (wider tiles:
-    128x192 over 16 and 32 experts) compiles clean."""
+    128x192 over 16 and 32 experts) and moe-decode suite (64x32 tiles in the deep ring)
+    compiles clean."""
     from fp8gemm.bench.impls import case_problem
     from fp8gemm.bench.suites import suite_cases
 
     compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    skewed = [case_problem(c) for c in suite_cases("moe-skewed")]
+    skewed = [case_problem(c) for s in ("moe-skewed", "moe-decode") for c in suite_cases(s)]
     seen = set()
     for case, p in [(c, grouped_problem(*c)) for c in GROUPED_SUITE] + [(p, p) for p in skewed]:
         cfg = g.GROUPED.select_config(p, H200)

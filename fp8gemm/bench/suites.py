@@ -15,6 +15,9 @@
   suite `backward-skewed`: a result row's shape (M, N, K, G) does not hold the token counts, and
   would not tell them from the equal ones.
 - `moe-layer`: a DeepSeek-V3 expert layer end to end, prefill and decode.
+- `moe-decode`: masked grouped GEMMs of one, two and four local experts of 32 and 128 rows
+  each, the decode step of wide expert parallelism (DeepSeek-V3's 256 experts over 64-256 GPUs):
+  few tiles of B for the SMs, where split-K pays.
 
 --quick trims `irregular`, `m-sweep` (fewer M) and `backward` (fewer dense N x K) for a
 time-limited run; the other suites are what every figure is compared on.
@@ -217,6 +220,9 @@ _KGROUPED_MN = ((4096, 7168), (7168, 2048))
 _KGROUPED_EXPERTS, _KGROUPED_TOKENS = 8, 4096
 _KGROUPED_EMPTY = 2
 _MOE_LAYER_TOKENS = (4096, 128)  # prefill, decode
+# Decode under wide expert parallelism: local experts per GPU, and rows (tokens) per expert.
+_DECODE_GROUPS = (1, 2, 4)
+_DECODE_ROWS = (32, 128)
 
 # The r-th busiest expert draws tokens with weight r^-SKEW_EXPONENT (Zipf-like): at 32 experts
 # the busiest gets ~8x the mean load and the idlest ~1/4 of it.
@@ -302,9 +308,14 @@ def _moe_layer(quick: bool) -> list[Case]:
             for t in _MOE_LAYER_TOKENS]
 
 
+def _moe_decode(quick: bool) -> list[Case]:
+    return [Case("moe-decode", "masked", m, n, k, g) for g in _DECODE_GROUPS
+            for m in _DECODE_ROWS for n, k in _GROUPED_NK]
+
+
 SUITES = {"deepseek-dense": _dense, "deepseek-grouped": _grouped, "irregular": _irregular,
           "m-sweep": _m_sweep, "moe-skewed": _skewed, "backward": _backward,
-          "moe-layer": _moe_layer}
+          "moe-layer": _moe_layer, "moe-decode": _moe_decode}
 
 
 def all_suite_names() -> tuple[str, ...]:

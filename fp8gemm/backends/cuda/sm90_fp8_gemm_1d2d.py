@@ -47,7 +47,10 @@ MAX_STAGES = 8
 # K. On the H200 (one run, 64x32 tiles, K = 7168) 14 stages ran 6-11 % faster than 8 from 32 rows
 # of A up (4096x7168 at M = 32, 48, 64: 16.0, 16.8, 16.5 us against 17.9, 18.2, 18.4; 96x2112x7168
 # 14.3 against 15.2), 12 stages at M = 1 1.7 % slower (a stage of one A row and 32 B rows), and
-# 64x64 tiles at 7168x2048 no faster with 10 or 12.
+# 64x64 tiles at 7168x2048 no faster with 10 or 12. Masked groups of as many expected rows take
+# the same ring: the grouped family picks 64x32 tiles only for one or two experts, whose CTAs
+# stream a long K alone as the dense ones do (the grouped kinds' 7-stage cap is for the register
+# pressure of wider tiles; a masked 64x32 tile at 14 stages compiles without spills).
 DEEP_RING_STAGES = 14
 DEEP_RING_TILE = (64, 32)
 DEEP_RING_MIN_ROWS = 32
@@ -277,7 +280,8 @@ def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
                 continue  # wider than N: only zero columns
             if bm == 256 and bn not in BLOCK_N_CHOICES_256:
                 continue
-            deep = kind is GemmKind.DENSE and (bm, bn) == DEEP_RING_TILE and m >= DEEP_RING_MIN_ROWS
+            deep = (kind in (GemmKind.DENSE, GemmKind.MASKED) and (bm, bn) == DEEP_RING_TILE
+                    and m >= DEEP_RING_MIN_ROWS)
             stages = max_stages(bm, bn, k, facts.smem_per_block, kind,
                                 DEEP_RING_STAGES if deep else 0)
             if stages == 0:
