@@ -17,6 +17,9 @@
 #                      and e5m2) -> quant.log, quant.json (at most 120 s)
 #   PROBE=1            also the mainloop probes (scripts/wgmma_probe.py: tensor cores against
 #                      the promotion, no loads) -> probe.log, probe.json (at most 90 s)
+#   TILES="ARGS; ARGS" also scripts/cuda_tiles.py once per ';'-separated argument list (configs
+#                      of a family timed against its choice and peers in one run), each at most
+#                      TILES_TIMEOUT=150 s -> tiles.log, tiles-1.json, tiles-2.json, ...
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
@@ -153,6 +156,25 @@ if [[ "${PROBE:-0}" == "1" ]]; then
     probe_summary="rc $rc, $(grep -c 'cycles/k-block' "$OUT/probe.log") probes"
 fi
 
+tiles_summary="skipped (TILES empty)"
+if [[ -n "${TILES:-}" ]]; then
+    IFS=';' read -r -a tile_runs <<<"$TILES"
+    : >"$OUT/tiles.log"
+    done_runs=0
+    for i in "${!tile_runs[@]}"; do
+        eval "targs=(${tile_runs[$i]})"  # (quoted words stay one argument)
+        (( ${#targs[@]} )) || continue
+        echo "== cuda_tiles.py ${tile_runs[$i]} -> $OUT/tiles.log" | tee -a "$OUT/tiles.log"
+        timeout --signal=INT --kill-after=10 "${TILES_TIMEOUT:-150}" python3 scripts/cuda_tiles.py \
+            "${targs[@]}" --json "$OUT/tiles-$(( i + 1 )).json" >>"$OUT/tiles.log" 2>&1
+        rc=$?
+        echo "   rc $rc" | tee -a "$OUT/tiles.log"
+        (( rc == 0 )) && done_runs=$(( done_runs + 1 ))
+    done
+    grep -E '^ +[0-9sx]+ |geometric|WRONG|refused' "$OUT/tiles.log" | cut -c1-160 | head -n 60
+    tiles_summary="$done_runs of ${#tile_runs[@]} runs completed"
+fi
+
 dg_summary="skipped (DG_CORE=0)"
 if [[ "${DG_CORE:-0}" == "1" ]]; then
     echo "== DeepGEMM's test_core.py against the drop-in -> $OUT/dg_core.log"
@@ -185,6 +207,7 @@ echo "tests: $tests_summary"
 echo "bench: $bench_summary"
 echo "quant: $quant_summary"
 echo "probes: $probe_summary"
+echo "tiles: $tiles_summary"
 echo "deepgemm test_core on the drop-in: $dg_summary"
 echo "files: $(cd "$OUT" && ls | tr '\n' ' ')  ($(( SECONDS - START ))s)"
 rm -rf "$WORK"

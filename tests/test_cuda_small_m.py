@@ -479,7 +479,7 @@ def test_model_cluster_slots_fit_the_device(gpu_device):
         assert sm.cluster_slots(splits, facts.num_sms) <= count, (splits, count)
 
 
-# --- the masked family (sm90_m_grouped_fp8_gemm_1d2d_small_m) ----------------------------------------
+# --- the masked family (sm90_m_grouped_fp8_gemm_1d2d_small_m) -------------------------------------
 def masked_problem(g, mmax, n, k, expected):
     return problem(mmax, n, k, kind=GemmKind.MASKED, groups=g, expected_m=expected)
 
@@ -621,7 +621,7 @@ def test_masked_host_layout_matches_the_kernel(tmp_path, monkeypatch):
     jit.compile_cached(source + check, name, (str(dense.INCLUDE_DIR),))
 
 
-# --- the masked family on the GPU ---------------------------------------------------------------------
+# --- the masked family on the GPU -----------------------------------------------------------------
 def masked_operands(g, mmax, n, k, device):
     a = rand_fp8((g, mmax, k), E4M3, device)
     b = rand_fp8((g, n, k), E4M3, device)

@@ -82,6 +82,18 @@ def test_small_m_variants_keep_one_cta_per_tile_and_split_and_even_rings(spec):
         assert cfg.num_stages % 2 == 0 and cfg.smem(p.k) <= H200.smem_per_block
 
 
+def test_masked_small_m_variant_rederives_slots_and_grid():
+    """A narrower token tile on the masked small-M family (a trial family, found by name):
+    the expected rows' token tiles per group, a CTA per group, slot, tile of B and split."""
+    data = type("Data", (), {"a": torch.empty(2, 256, 7168)})()
+    p = ct.grouped_problem(GemmKind.MASKED, data, 2, 128, 4096, 7168)
+    base, cfg = _derive(sm.MASKED_SMALL_M, p, "block_m=64+num_splits=1")
+    assert (base.block_m, base.num_slots) == (128, 1)
+    assert (cfg.block_m, cfg.num_slots, cfg.num_splits) == (64, 2, 1)
+    assert cfg.grid == 2 * 2 * ceil_div(4096, sm.BLOCK_N)
+    assert cfg.num_stages % 2 == 0 and cfg.smem(p.k) <= H200.smem_per_block
+
+
 def test_parse_variant_names_the_fields():
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         ct.parse_variant("blockm=64", g2.Sm90Config)

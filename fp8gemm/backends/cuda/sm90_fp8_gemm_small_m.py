@@ -392,7 +392,10 @@ class SmallMPlan:
                 (self.masked and not out.is_contiguous()):
             # The kernel stores 16 bytes at a time: rows on 16 bytes, elements contiguous.
             # NOTE: masked rows at or past masked_m are left untouched: start from out's values.
-            dst, ld = out.clone(memory_format=torch.contiguous_format), self.n
+            fmt = torch.contiguous_format
+            dst = (out.clone(memory_format=fmt) if self.masked
+                   else torch.empty_like(out, memory_format=fmt))
+            ld = self.n
         # NOTE: with a, b contiguous and the plan fixing the shapes, these pointers, sa's strides
         # (fixed per call site) and out's row stride are all the arguments depend on.
         key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(), ld,
@@ -416,7 +419,7 @@ def get_plan(problem: GemmProblem, device_index: int, cfg: SmallMConfig) -> Smal
                        problem, cfg)
 
 
-# --- families --------------------------------------------------------------------------------------
+# --- families -------------------------------------------------------------------------------------
 class _SmallMFamily(KernelFamily):
     Config = SmallMConfig
 

@@ -225,7 +225,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
 
     // B's scales of this CTA's k-blocks (one per k-block: the tile lies in one 128-row block).
     // NOTE: loaded while the first TMA loads are in flight, so the global round trip overlaps.
-    const float* sb_row = sb + (group * ceil_div(SHAPE_N, 128u) + n0 / 128) * kNumKBlocks + kb_begin;
+    const uint32_t sb_row0 = group * ceil_div(SHAPE_N, 128u) + n0 / 128;
+    const float* sb_row = sb + sb_row0 * kNumKBlocks + kb_begin;
     for (uint32_t i = threadIdx.x; i < kb_end - kb_begin; i += kNumMathThreads)
       smem_sb[i] = __ldg(sb_row + i);
     named_barrier_sync(1, kNumMathThreads);
@@ -329,7 +330,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       const uint32_t red = smem_addr(smem_red);
       uint32_t peer[kNumSplits];
 #pragma unroll
-      for (uint32_t r = 0; r < kNumSplits; ++r) peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
+      for (uint32_t r = 0; r < kNumSplits; ++r)
+        peer[r] = kNumSplits > 1 ? mapa_shared(red, r) : red;
       for (uint32_t u = u_begin + threadIdx.x; u < u_end; u += kNumMathThreads) {
         const uint32_t t = u / units_per_row, col = (u % units_per_row) * 8;
         const uint32_t off = (t * kRedStride + col) * 4;
