@@ -146,9 +146,9 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   grid_launch_dependents();
 
   // Masked: the group's rows, clamped so that bad values never address outside A or D; the
-  // cluster's m-blocks are m_block, m_block + num_slots, ... below m_block_end (none, or one
-  // more than the host expected, are both fine: every CTA of a cluster reads the same value and
-  // walks the same tiles).
+  // cluster's m-blocks are m_block, m_block + num_slots, ... below m_block_end: fewer or more
+  // than the host expected when the group has fewer or more rows. Every CTA of a cluster reads
+  // the same value and walks the same tiles.
   uint32_t rows_m = shape_m, m_block_end = 0;
   if constexpr (kMasked) {
     const int32_t r = __ldg(masked_m + group);
@@ -172,8 +172,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       const bool b_once = rows_m <= BLOCK_M;
       const uint64_t policy_once = l2_policy_evict_first();
       uint32_t stage = 0, phase = 0;
-      // The k-blocks of the tile at token row m0 (the ring's stage and phase carry on).
-      auto load_tile = [&](uint32_t m0) {
+      // The k-blocks of the tile at token row tile_m0 (the ring's stage and phase carry on).
+      auto load_tile = [&](uint32_t tile_m0) {
         for (uint32_t kb = kb_begin; kb < kb_end; ++kb) {
           mbar_wait(&empty_bar[stage], phase ^ 1);
           uint64_t* bar = &full_bar[stage];
@@ -186,13 +186,14 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
             tma_load_2d(dst_b, &tmap_b, bar, k0, static_cast<int32_t>(b_row0));
           }
           tma_load_2d(smem_a + stage * Layout::SMEM_A, &tmap_a, bar, k0,
-                      static_cast<int32_t>(row0 + m0));
+                      static_cast<int32_t>(row0 + tile_m0));
           float* dst_sa = smem_sa + stage * Layout::kSaStage;
           if constexpr (kMasked) {
-            tma_load_3d(dst_sa, &tmap_sa, bar, static_cast<int32_t>(m0), static_cast<int32_t>(kb),
-                        static_cast<int32_t>(group));
+            tma_load_3d(dst_sa, &tmap_sa, bar, static_cast<int32_t>(tile_m0),
+                        static_cast<int32_t>(kb), static_cast<int32_t>(group));
           } else {
-            tma_load_2d(dst_sa, &tmap_sa, bar, static_cast<int32_t>(m0), static_cast<int32_t>(kb));
+            tma_load_2d(dst_sa, &tmap_sa, bar, static_cast<int32_t>(tile_m0),
+                        static_cast<int32_t>(kb));
           }
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
@@ -239,8 +240,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     // of k-blocks each warpgroup starts the next one on its other parity (`first` below).
     uint32_t stage = warpgroup, phase = 0;
     // One tile: the k-blocks from kb_first, promoted into FP32, the partial tile in shared
-    // memory, the cluster's reduction and the bf16 stores of rows [m0, rows_m).
-    auto compute_tile = [&](uint32_t m0, uint32_t kb_first) {
+    // memory, the cluster's reduction and the bf16 stores of its rows below rows_m.
+    auto compute_tile = [&](uint32_t tile_m0, uint32_t kb_first) {
       float acc[kNumAccum], fin[kNumAccum];
 #pragma unroll
       for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
@@ -323,7 +324,7 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       // NOTE: every unit loaded is stored. A peer's partial tile may be read only while the peer
       // runs; a load whose value nothing uses does not hold its thread back, so the thread could
       // pass the closing barrier with it in flight and the peer exit under it.
-      const uint32_t rows = rows_m - m0 < BLOCK_M ? rows_m - m0 : BLOCK_M;
+      const uint32_t rows = rows_m - tile_m0 < BLOCK_M ? rows_m - tile_m0 : BLOCK_M;
       const uint32_t units_per_row = (SHAPE_N - n0 < BLOCK_N ? SHAPE_N - n0 : BLOCK_N) / 8;
       const uint32_t units = rows * units_per_row;
       const uint32_t u_begin = rank * units / kNumSplits, u_end = (rank + 1) * units / kNumSplits;
@@ -354,7 +355,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
         U32x4 v;
         v.x = pack_bf16x2(lo[0].x, lo[0].y), v.y = pack_bf16x2(lo[0].z, lo[0].w);
         v.z = pack_bf16x2(hi[0].x, hi[0].y), v.w = pack_bf16x2(hi[0].z, hi[0].w);
-        st_global_v4(out + (static_cast<uint64_t>(row0 + m0 + t) * ld_out + n0 + col) * 2, v);
+        const uint64_t row = row0 + tile_m0 + t;
+        st_global_v4(out + (row * ld_out + n0 + col) * 2, v);
       }
       // NOTE: no CTA may exit (its shared memory freed) or write its next partial tile while a
       // peer still reads this one. The loads above have returned their values (the stores used
