@@ -720,3 +720,35 @@ def test_masked_cuda_graph_with_changing_masked_m(gpu_device):
         graph.replay()
         torch.cuda.synchronize()
         check_masked_out(out, a, sa, b, sb, masked_m, f"replay masked_m={values}")
+
+
+@pytest.mark.gpu
+def test_masked_launcher_warm_path(gpu_device):
+    """The ops layer's warm path for the masked family (what it takes once the family is in
+    the backend's table): the first call goes to `slow`, which builds the pack; later calls
+    with the same pointers launch from the pack, new pointers go to `slow` again."""
+    g, mmax, n, k, expected = 2, 128, 2112, 7168, 32
+    p = masked_problem(g, mmax, n, k, expected)
+    cfg = sm.MASKED_SMALL_M.select_config(p, DeviceFacts.of(gpu_device))
+    a, sa, b, sb = masked_operands(g, mmax, n, k, gpu_device)
+    masked_m = torch.tensor([32, 77], dtype=torch.int32, device=gpu_device)
+    slow_calls = []
+
+    def slow(a_, sa_, b_, sb_, out_, masked_m_):
+        slow_calls.append(out_.data_ptr())
+        sm.MASKED_SMALL_M.run(cfg, p, a_, sa_, b_, sb_, out_, None, masked_m_)
+
+    run = sm.launcher(sm.MASKED_SMALL_M, p, sa, sb, slow)
+    assert run is not None
+    out = poisoned((g, mmax, n), torch.bfloat16, gpu_device)
+    run(a, sa, b, sb, out, masked_m)
+    out.fill_(float("nan"))
+    run(a, sa, b, sb, out, masked_m)  # from the pack
+    torch.cuda.synchronize()
+    assert slow_calls == [out.data_ptr()]
+    check_masked_out(out, a, sa, b, sb, masked_m, "warm launch")
+    other = poisoned((g, mmax, n), torch.bfloat16, gpu_device)
+    run(a, sa, b, sb, other, masked_m)
+    torch.cuda.synchronize()
+    assert slow_calls == [out.data_ptr(), other.data_ptr()]
+    check_masked_out(other, a, sa, b, sb, masked_m, "new out")
