@@ -450,6 +450,16 @@ class _SmallMFamily(KernelFamily):
     def config_for(self, problem: GemmProblem, device: torch.device) -> SmallMConfig:
         return self.select_config(problem, DeviceFacts.of(device))
 
+    def run(self, config: SmallMConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
+            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
+            index: torch.Tensor | None = None) -> None:
+        """`index`: the masked family's masked_m; the dense family takes none."""
+        if c is not None:
+            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
+        if index is not None and problem.kind is not GemmKind.MASKED:
+            raise ValueError(f"{self.name} runs dense GEMMs only: no group index")
+        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out, index)
+
 
 class Sm90Fp8Gemm1d2dSmallM(_SmallMFamily):
     """Dense GEMMs of M <= MAX_M, swapped (B fills wgmma's 64-row side) and split along K over
@@ -463,15 +473,6 @@ class Sm90Fp8Gemm1d2dSmallM(_SmallMFamily):
         if problem.m > MAX_M:
             return f"takes M <= {MAX_M} (decode sizes), got M={problem.m}"
         return self._refusal(problem)
-
-    def run(self, config: SmallMConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
-            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
-            index: torch.Tensor | None = None) -> None:
-        if c is not None:
-            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
-        if index is not None:
-            raise ValueError(f"{self.name} runs dense GEMMs only: no group index")
-        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out)
 
 
 class Sm90MGroupedFp8Gemm1d2dSmallM(_SmallMFamily):
@@ -487,13 +488,6 @@ class Sm90MGroupedFp8Gemm1d2dSmallM(_SmallMFamily):
             return (f"takes at most {MAX_M} expected rows per group (decode sizes), got "
                     f"expected_m={problem.expected_m}")
         return self._refusal(problem)
-
-    def run(self, config: SmallMConfig, problem: GemmProblem, a: torch.Tensor, sa: torch.Tensor,
-            b: torch.Tensor, sb: torch.Tensor, out: torch.Tensor, c: torch.Tensor | None = None,
-            index: torch.Tensor | None = None) -> None:
-        if c is not None:
-            raise ValueError(f"{self.name} has no C input (supports() refuses has_c)")
-        get_plan(problem, a.device.index, config).run(a, sa, b, sb, out, index)
 
 
 SMALL_M = Sm90Fp8Gemm1d2dSmallM()
