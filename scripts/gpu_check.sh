@@ -84,7 +84,7 @@ if [[ "${SKIP_TESTS:-0}" != "1" ]]; then
         >"$OUT/gpu_tests.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/gpu_tests.log"
-    last="$(grep -E '(passed|failed|error|no tests ran)' "$OUT/gpu_tests.log" | tail -n 1)"
+    last="$(grep -E '( in [0-9.]+s|no tests ran)' "$OUT/gpu_tests.log" | tail -n 1)"
     case $rc in
         0) tests_summary="ok: $last" ;;
         5) tests_summary="no gpu tests collected" ;;
