@@ -514,6 +514,18 @@ def test_masked_family_is_on_trial_only():
     assert cuda_backend.family_for(p, H200) is dense.GROUPED
 
 
+def test_masked_family_supports_a_subset_of_the_grouped_family():
+    """Wherever the masked family takes a problem the grouped family does too, so the backend's
+    `supports` answers alike with the family in its table or out of it."""
+    for g, mmax, expected, n, k in [(1, 256, 128, 4096, 7168), (2, 64, 8, 7168, 2048),
+                                    (3, 300, 257, 576, 320), (2, 5, 3, 56, 1040),
+                                    (2, 64, 8, 7168, 2050), (2, 64, 8, 7170, 2048)]:
+        p = masked_problem(g, mmax, n, k, expected)
+        if sm.MASKED_SMALL_M.supports(p) is None:
+            assert dense.GROUPED.supports(p) is None, p
+        assert (cuda_backend.supports(p) is None) == (dense.GROUPED.supports(p) is None), p
+
+
 def test_masked_model_takes_one_or_two_experts_where_grouped_tiles_idle():
     """One expert of 128 expected rows at N = 4096, K = 7168: the grouped family's 128-row tiles
     are 32 wide to fill 128 SMs, and the small-M tiles split K in two instead; with four experts
