@@ -167,7 +167,9 @@ def grouped_problem(kind: GemmKind, data, groups: int, m: int, n: int, k: int) -
 
 
 def tile_count(problem: GemmProblem, cfg) -> int:
-    m_tiles = ceil_div(problem.expected_m or problem.m, cfg.block_m)
+    rows = (sm90_fp8_gemm_small_m.expected_rows(problem) if problem.kind is GemmKind.MASKED
+            else problem.m)
+    m_tiles = ceil_div(rows, cfg.block_m)
     groups = problem.groups if problem.kind is GemmKind.MASKED else 1
     return groups * m_tiles * ceil_div(problem.n, cfg.block_n)
 
@@ -192,7 +194,8 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
         cfg = dataclasses.replace(cfg, two_accum=False)  # (split-K runs one accumulator)
     split = hasattr(cfg, "num_splits")  # the small-M family: one CTA per (tile, split), even rings
     if split and problem.kind is GemmKind.MASKED and tile_changed and "num_slots" not in changes:
-        cfg = dataclasses.replace(cfg, num_slots=ceil_div(problem.expected_m, cfg.block_m))
+        cfg = dataclasses.replace(
+            cfg, num_slots=ceil_div(sm90_fp8_gemm_small_m.expected_rows(problem), cfg.block_m))
     if "grid" not in changes and (split and ("num_splits" in changes or tile_changed)
                                   or any(f in changes for f in GRID_FIELDS)):
         if split:

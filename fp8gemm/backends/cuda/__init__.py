@@ -17,8 +17,8 @@ from ...problem import GemmProblem
 from ..family import DeviceFacts, KernelFamily, choose_family
 from . import sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d, sm90_fp8_gemm_small_m
 
-__all__ = ["NAME", "FAMILIES", "TRIAL_FAMILIES", "is_available", "supports", "family_for", "fp8_gemm_nt",
-           "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
+__all__ = ["NAME", "FAMILIES", "TRIAL_FAMILIES", "is_available", "supports", "family_for",
+           "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_offsets",
            "m_grouped_fp8_gemm_nt_masked", "k_grouped_fp8_gemm_nt_contiguous",
            "fp8_gemm_nt_launcher", "m_grouped_fp8_gemm_nt_launcher"]
 
