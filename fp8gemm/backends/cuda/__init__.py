@@ -126,7 +126,7 @@ def fp8_gemm_nt_launcher(problem: GemmProblem, sa, sb):
     if fam is sm90_fp8_gemm_small_m.SMALL_M:
         def slow(a, sa_, b, sb_, out, c):
             fp8_gemm_nt(a, sa_, b, sb_, out, c, problem)
-        return sm90_fp8_gemm_small_m.launcher(problem, sa, sb, slow)
+        return sm90_fp8_gemm_small_m.launcher(fam, problem, sa, sb, slow)
     if fam is sm90_fp8_gemm_1d1d.DENSE:
         return sm90_fp8_gemm_1d1d.launcher(problem, sa, sb)
     return sm90_fp8_gemm_1d2d.launcher(fam, problem, sa, sb)
