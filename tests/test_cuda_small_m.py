@@ -304,9 +304,10 @@ def test_host_layout_matches_the_kernel(tmp_path, monkeypatch):
     cases = [(2112, 7168, 64, 3, 8), (56, 1040, 8, 4, 2), (4096, 7168, 128, 1, 6),
              (576, 320, 40, 3, 2)]
     checks = "".join(
-        f"static_assert(fp8gemm::Sm90Fp8GemmSmallMLayout<{n}, {k}, {bm}, {s}, {st}>::kSmemBytes"
-        f" == {sm.smem_bytes(bm, s, st, k)}, \"smem_bytes({bm}, {s}, {st}, {k})\");\n"
-        for n, k, bm, s, st in cases)
+        f"static_assert(fp8gemm::Sm90Fp8GemmSmallMLayout<{n}, {k}, {bm}, {s}, {st}, "
+        f"{str(masked).lower()}>::kSmemBytes == {sm.smem_bytes(bm, s, st, k, masked)}, "
+        f"\"smem_bytes({bm}, {s}, {st}, {k}, {masked})\");\n"
+        for n, k, bm, s, st in cases for masked in (False, True))
     source, name = sm.kernel_source(576, 320, sm.SmallMConfig(40, 3, 2, 1))
     from fp8gemm import jit
 
@@ -488,7 +489,8 @@ def masked_config(g, mmax, n, k, expected, bm, splits, stages=None, slots=None):
     """A masked config of bm-token tiles: `slots` token tiles per group in the grid (default:
     those of the expected rows), `stages` the most that fit (default)."""
     slots = ceil_div(expected, bm) if slots is None else slots
-    stages = sm.max_stages(bm, splits, k, H200.smem_per_block) if stages is None else stages
+    stages = sm.max_stages(bm, splits, k, H200.smem_per_block, masked=True) \
+        if stages is None else stages
     return sm.SmallMConfig(bm, splits, stages, g * slots * ceil_div(n, sm.BLOCK_N) * splits, slots)
 
 
@@ -556,7 +558,7 @@ def test_masked_configs_are_valid(g, mmax, expected, n, k):
         tiles = g * cfg.num_slots * ceil_div(n, sm.BLOCK_N)
         assert c.tiles == tiles and cfg.grid == tiles * cfg.num_splits
         assert tiles <= sm.cluster_slots(cfg.num_splits, H200.num_sms)
-        assert cfg.smem(k) <= H200.smem_per_block and cfg.num_stages % 2 == 0
+        assert cfg.smem(k, masked=True) <= H200.smem_per_block and cfg.num_stages % 2 == 0
     assert sm.MASKED_SMALL_M.select_config(p, H200) == cands[0].config
     assert sm.MASKED_SMALL_M.candidate_configs(p, H200)[0] == cands[0].config
 
@@ -595,8 +597,9 @@ def _masked_variants():
 def test_masked_variants_compile_clean(tmp_path, monkeypatch):
     """As test_every_variant_compiles_clean, and the A scales come through the 3-D map (a box
     never reads another group's), the group's rows are read after the dependency wait, and a
-    split's producer takes no part in the cluster barriers: the math warpgroups' two arrives per
-    tile are all there are."""
+    split's cluster meets on barrier.cluster only at the start (every thread of a CTA runs it,
+    the producer included, which then issues every tile's loads and exits): the reductions of
+    its tiles meet on mbarriers, one arrival on each CTA's two per tile, behind one fence."""
     compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
@@ -615,19 +618,26 @@ def test_masked_variants_compile_clean(tmp_path, monkeypatch):
         assert not re.search(r"\b(LDL|STL)\b", sass), f"{what}: local memory"
         assert re.search(r"UTMALDG\.3D", sass), f"{what}: no 3-D load of the A scales"
         assert_waits_before_global_access(sass, what)
+        split = cfg.num_splits > 1
         arrives = len(re.findall(r"UCGABAR_ARV", sass))
-        assert arrives == (2 if cfg.num_splits > 1 else 0), f"{what}: {arrives} cluster arrives"
+        assert arrives == (1 if split else 0), f"{what}: {arrives} cluster arrives"
+        remote = len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.RED\b", sass))
+        assert remote == (2 * cfg.num_splits if split else 0), f"{what}: {remote} remote arrives"
+        fences = len(re.findall(r"MEMBAR\.ALL\.GPU", sass))
+        assert fences == (1 if split else 0), f"{what}: {fences} GPU fences"
 
 
 def test_masked_host_layout_matches_the_kernel(tmp_path, monkeypatch):
-    """The masked kernel takes the dense one's shared-memory layout (smem_bytes)."""
+    """The masked kernel's shared memory is smem_bytes(masked=True): the dense layout and, with a
+    split, the two reduction barriers."""
     compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path))
     cfg = masked_config(1, 256, 576, 320, 40, 40, 3)
     source, name = sm.kernel_source(576, 320, cfg, masked=True)
     assert name.endswith(", true>")
-    check = (f"static_assert(fp8gemm::Sm90Fp8GemmSmallMLayout<576, 320, 40, 3, {cfg.num_stages}>"
-             f"::kSmemBytes == {cfg.smem(320)}, \"smem\");\n")
+    check = (f"static_assert(fp8gemm::Sm90Fp8GemmSmallMLayout<576, 320, 40, 3, {cfg.num_stages}, "
+             f"true>::kSmemBytes == {cfg.smem(320, masked=True)}, \"smem\");\n")
+    assert cfg.smem(320, masked=True) == cfg.smem(320) + 16
     from fp8gemm import jit
 
     jit.compile_cached(source + check, name, (str(dense.INCLUDE_DIR),))

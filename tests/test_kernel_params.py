@@ -148,3 +148,49 @@ def test_1d1d_packs_match_the_kernel(k_grouped, build, tmp_path):
     ks = torch.zeros(g, dtype=torch.int32) if k_grouped else None
     sizes = pack_sizes(plan, a, sa, b, sb, out, out, ks, ("key",))
     assert sizes == kernel_param_sizes(plan.kernel, tmp_path), (cfg, sizes)
+
+
+# --- the backend's warm-call launchers ----------------------------------------------------------
+def col_major(kb, rows):
+    """Scales as the launchers take them: [kb, rows] storage seen as a column-major [rows, kb]."""
+    return f32(kb, rows).t()
+
+
+@pytest.mark.parametrize("name,trial", [("small_m", False), ("dense_1d2d", False),
+                                        ("wgrad_1d1d", False), ("masked_grouped", False),
+                                        ("masked_small_m", True)])
+def test_backend_launchers_build_for_every_family(name, trial, build, monkeypatch):
+    """backends.cuda's fp8_gemm_nt_launcher / m_grouped_fp8_gemm_nt_launcher hand each family's
+    launcher the arguments it takes, and the family is the one the backend chooses (on the
+    CPU: the device facts are the H200's and the plans are built without a GPU). A trial family
+    is put at the head of the table for its case."""
+    from fp8gemm.backends import cuda
+
+    cases = {
+        "small_m": (problem(GemmKind.DENSE, 64, 2112, 7168), sm.SMALL_M),
+        "dense_1d2d": (problem(GemmKind.DENSE, 4096, 2112, 7168), g2.DENSE),
+        "wgrad_1d1d": (problem(GemmKind.DENSE, 2112, 7168, 4096, b_recipe=Recipe.GROUP,
+                               out_dtype=torch.float32), g1.DENSE),
+        "masked_grouped": (problem(GemmKind.MASKED, 1024, 4096, 7168, 4, expected_m=1024),
+                           g2.GROUPED),
+        "masked_small_m": (problem(GemmKind.MASKED, 256, 4096, 7168, 1, expected_m=128),
+                           sm.MASKED_SMALL_M),
+    }
+    p, fam = cases[name]
+    monkeypatch.setattr(DeviceFacts, "of", staticmethod(lambda device: H200))
+    if trial:
+        monkeypatch.setattr(cuda, "FAMILIES", cuda.TRIAL_FAMILIES + cuda.FAMILIES)
+    cuda._family.cache_clear()
+    try:
+        assert cuda.family_for(p, H200) is fam
+        kb = ceil_div(p.k, 128)
+        rows = p.groups * p.m if p.kind is GemmKind.MASKED else p.m
+        sa = col_major(kb, rows)
+        sb = col_major(kb, p.n) if p.b_recipe is Recipe.GROUP else f32(ceil_div(p.n, 128), kb)
+        if p.kind is GemmKind.DENSE:
+            run = cuda.fp8_gemm_nt_launcher(p, sa, sb)
+        else:
+            run = cuda.m_grouped_fp8_gemm_nt_launcher(p, sa, sb)
+        assert callable(run), name
+    finally:
+        cuda._family.cache_clear()

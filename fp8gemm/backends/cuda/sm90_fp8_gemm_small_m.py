@@ -129,12 +129,14 @@ def sa_stage(block_m: int) -> int:
     return align(block_m, 32)
 
 
-def smem_bytes(block_m: int, num_splits: int, num_stages: int, k: int) -> int:
+def smem_bytes(block_m: int, num_splits: int, num_stages: int, k: int,
+               masked: bool = False) -> int:
     """Sm90Fp8GemmSmallMLayout::kSmemBytes: the kernel traps when launched with less."""
     per_stage = stage_bytes(block_m)
     sb = align(ceil_div(ceil_div(k, BLOCK_K), num_splits) * 4, 16)
     red = block_m * (BLOCK_N + 4) * 4
-    return 1024 + num_stages * per_stage + sb + red + 2 * num_stages * 8
+    barriers = 2 * num_stages + (2 if masked and num_splits > 1 else 0)
+    return 1024 + num_stages * per_stage + sb + red + barriers * 8
 
 
 def stage_bytes(block_m: int) -> int:
@@ -147,12 +149,13 @@ def stage_target(block_m: int) -> int:
     return min(MAX_STAGES, max(BASE_STAGES, IN_FLIGHT_BYTES // stage_bytes(block_m)))
 
 
-def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int) -> int:
+def max_stages(block_m: int, num_splits: int, k: int, smem_limit: int,
+               masked: bool = False) -> int:
     """The deepest even pipeline up to `stage_target` that fits `smem_limit` bytes, at most one
     stage per k-block of a split (rounded down to even; 0: none fits)."""
     top = max(MIN_STAGES, min(stage_target(block_m), ceil_div(ceil_div(k, BLOCK_K), num_splits)))
     for s in range(top - top % 2, MIN_STAGES - 1, -2):
-        if smem_bytes(block_m, num_splits, s, k) <= smem_limit:
+        if smem_bytes(block_m, num_splits, s, k, masked) <= smem_limit:
             return s
     return 0
 
@@ -175,9 +178,9 @@ class SmallMConfig:
     def num_threads(self) -> int:
         return NUM_THREADS
 
-    def smem(self, k: int) -> int:
-        """Dynamic shared memory of this config at K, bytes."""
-        return smem_bytes(self.block_m, self.num_splits, self.num_stages, k)
+    def smem(self, k: int, masked: bool = False) -> int:
+        """Dynamic shared memory of this config at K (of the masked kernel if `masked`), bytes."""
+        return smem_bytes(self.block_m, self.num_splits, self.num_stages, k, masked)
 
     def __str__(self) -> str:
         slots = f" slots={self.num_slots}" if self.num_slots > 1 else ""
@@ -257,7 +260,7 @@ def candidates(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
         for splits in range(1, min(MAX_SPLITS, num_kb) + 1):
             if tiles > cluster_slots(splits, facts.num_sms):
                 continue
-            stages = max_stages(bm, splits, k, facts.smem_per_block)
+            stages = max_stages(bm, splits, k, facts.smem_per_block, masked)
             if stages == 0:
                 continue
             cfg = SmallMConfig(bm, splits, stages, tiles * splits, slots if masked else 1)
@@ -333,7 +336,7 @@ class SmallMPlan:
             raise ValueError(f"config {cfg}: the kernel takes an even number of stages, at least "
                              f"{MIN_STAGES}")
         self.device_index = device_index
-        smem = cfg.smem(problem.k)
+        smem = cfg.smem(problem.k, self.masked)
         self.kernel = jit.build(*kernel_source(problem.n, problem.k, cfg, self.masked),
                                 (str(dense.INCLUDE_DIR),))
         self.kernel.set_max_dynamic_smem(smem, device_index)

@@ -26,7 +26,7 @@
 namespace fp8gemm {
 
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t kNumSplits,
-          uint32_t kNumStages>
+          uint32_t kNumStages, bool kMasked>
 struct Sm90Fp8GemmSmallMLayout {
   static constexpr uint32_t BLOCK_K = 128;
   static constexpr uint32_t BLOCK_N = 64;  // rows of B per tile: wgmma's M
@@ -48,7 +48,9 @@ struct Sm90Fp8GemmSmallMLayout {
   static constexpr uint32_t SMEM_SA = kSaStage * 4;
   static constexpr uint32_t SMEM_SB = ceil_div(kMaxKBlocksPerSplit * 4, 16u) * 16;
   static constexpr uint32_t SMEM_RED = BLOCK_M * kRedStride * 4;
-  static constexpr uint32_t SMEM_BARRIERS = 2 * kNumStages * 8;
+  // Masked with a split: the cluster's two reduction barriers (see the kernel) after the ring's.
+  static constexpr uint32_t kNumRedBarriers = kMasked && kNumSplits > 1 ? 2 : 0;
+  static constexpr uint32_t SMEM_BARRIERS = (2 * kNumStages + kNumRedBarriers) * 8;
   // 1024 bytes of slack to align the dynamic shared-memory base.
   static constexpr uint32_t kSmemBytes =
       1024 + kNumStages * (SMEM_B + SMEM_A + SMEM_SA) + SMEM_SB + SMEM_RED + SMEM_BARRIERS;
@@ -64,7 +66,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
                                   const __grid_constant__ TmaDescriptor tmap_sa,
                                   const int32_t* __restrict__ masked_m, uint32_t num_slots) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Layout = Sm90Fp8GemmSmallMLayout<SHAPE_N, SHAPE_K, BLOCK_M, kNumSplits, kNumStages>;
+  using Layout =
+      Sm90Fp8GemmSmallMLayout<SHAPE_N, SHAPE_K, BLOCK_M, kNumSplits, kNumStages, kMasked>;
   constexpr uint32_t BLOCK_K = Layout::BLOCK_K, BLOCK_N = Layout::BLOCK_N;
   constexpr uint32_t WGMMA_K = 32;
   constexpr uint32_t kNumMathThreads = 256;
@@ -77,6 +80,10 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   // warpgroups, which hold the wgmma accumulator and the FP32 sums (BLOCK_M / 2 floats each) and
   // BLOCK_M / 4 token scales: 128 * 40 + 256 * 232 fits the 64K-register file.
   constexpr uint32_t kProducerRegs = 40, kMathRegs = 232;
+  // Masked, a cluster reduces once per tile while its producers already load the next tiles, so
+  // the reduction cannot use barrier.cluster (which every running thread, producers included,
+  // must meet): the math warpgroups meet on mbarriers of their own instead (see below).
+  constexpr bool kRedBarriers = Layout::kNumRedBarriers > 0;
 
   // --- static checks ----------------------------------------------------------------------------
   static_assert(BLOCK_M % 8 == 0 && BLOCK_M >= 8 && BLOCK_M <= 160,
@@ -122,6 +129,11 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
   float* smem_red = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(smem_sb) + Layout::SMEM_SB);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(smem_red) + Layout::SMEM_RED);
   uint64_t* empty_bar = full_bar + kNumStages;
+  // kRedBarriers: red_full completes when every CTA of the cluster has written its partial tile
+  // of the current token tile, red_free when every CTA has read this CTA's (it may then write
+  // the next one, or exit); one arrival from each CTA, once per token tile.
+  uint64_t* red_full = empty_bar + kNumStages;
+  uint64_t* red_free = red_full + 1;
 
   const uint32_t warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   const uint32_t lane = lane_idx();
@@ -136,11 +148,20 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     tma_prefetch_descriptor(&tmap_sa);
   }
   // One arrival per warp of the warpgroup that reads a stage frees it.
-  if (threadIdx.x == 0) init_stage_ring(full_bar, empty_bar, kNumStages, 4);
-  // NOTE: the barriers and TMA loads are all CTA-local; the cluster first meets at the
-  // reduction, whose barrier also guarantees that every peer is running before its shared
-  // memory is read.
+  if (threadIdx.x == 0) {
+    if constexpr (kRedBarriers) {
+      mbar_init(red_full, kNumSplits);
+      mbar_init(red_free, kNumSplits);
+    }
+    init_stage_ring(full_bar, empty_bar, kNumStages, 4);
+  }
+  // NOTE: the ring's barriers and TMA loads are all CTA-local. Dense, the cluster first meets at
+  // the reduction, whose barrier also guarantees that every peer is running before its shared
+  // memory is read. With kRedBarriers every thread arrives here and waits before its first use
+  // of a peer's barrier (math) or before it exits (producer): no CTA arrives on a peer's
+  // reduction barriers before the peer has initialised them.
   __syncthreads();
+  if constexpr (kRedBarriers) cluster_arrive_relaxed();
   // Everything above is the prologue a dependent launch overlaps with the kernel before.
   grid_dependency_wait();
   grid_launch_dependents();
@@ -204,15 +225,16 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
         load_tile(m0);
       }
     }
-    // The two cluster barriers of the reduction count every non-exited thread of the cluster.
-    // Dense, this warpgroup takes part (it wrote nothing the peers read: relaxed arrivals).
-    // Masked, a cluster reduces once per tile, and the producer cannot meet those barriers
-    // without holding back the next tile's loads (which the math warpgroups need to get there):
-    // it exits instead, its loads completing on barriers of the still-running CTA.
+    // Dense, the two cluster barriers of the reduction count every non-exited thread of the
+    // cluster, so this warpgroup takes part (it wrote nothing the peers read: relaxed arrivals).
+    // Masked, it meets only the barrier of the start, then exits, its loads completing on
+    // barriers of the still-running CTA.
     if constexpr (kNumSplits > 1 && !kMasked) {
       cluster_arrive_relaxed();
       cluster_wait_acquire();
       cluster_arrive_relaxed();
+      cluster_wait_acquire();
+    } else if constexpr (kRedBarriers) {
       cluster_wait_acquire();
     }
   } else {
@@ -241,7 +263,9 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
     uint32_t stage = warpgroup, phase = 0;
     // One tile: the k-blocks from kb_first, promoted into FP32, the partial tile in shared
     // memory, the cluster's reduction and the bf16 stores of its rows below rows_m.
-    auto compute_tile = [&](uint32_t tile_m0, uint32_t kb_first) {
+    // `t`: the CTA's count of tiles before this one (masked), the parity of the reduction
+    // barriers' phase.
+    auto compute_tile = [&](uint32_t tile_m0, uint32_t kb_first, uint32_t t) {
       float acc[kNumAccum], fin[kNumAccum];
 #pragma unroll
       for (uint32_t i = 0; i < kNumAccum; ++i) fin[i] = 0.0f;
@@ -290,7 +314,8 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       }
 
       // This CTA's partial tile in output orientation, smem_red[token][row of B]: warpgroup 0's
-      // sums, then warpgroup 1 adds its own (a fixed order).
+      // sums, then warpgroup 1 adds its own (a fixed order). With kRedBarriers, once every peer
+      // has read the previous tile's.
       // NOTE: lanes of a warp cover 4 column pairs x 8 rows: (2 c0 * kRedStride + r0) % 32 =
       // 8 (lane % 4) + lane / 4, 32 different banks.
       auto partial = [&](bool add) {
@@ -304,14 +329,26 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
           col1[8] = add ? col1[8] + fin[4 * g + 3] : fin[4 * g + 3];
         }
       };
+      if constexpr (kRedBarriers) {
+        if (t > 0) mbar_wait_cluster(red_free, (t - 1) & 1);
+      }
       if (warpgroup == 0) partial(false);
       named_barrier_sync(1, kNumMathThreads);
       if (warpgroup == 1) partial(true);
 
       // --- reduction over the cluster and bf16 stores -------------------------------------------
       // NOTE: the arrive releases each math thread's partial-tile stores and the wait acquires
-      // every peer's, at cluster scope: the loads through mapa below see them.
-      if constexpr (kNumSplits > 1) {
+      // every peer's, at cluster scope: the loads through mapa below see them. With kRedBarriers,
+      // one thread's release after the CTA barrier covers the stores the barrier ordered.
+      if constexpr (kRedBarriers) {
+        named_barrier_sync(1, kNumMathThreads);
+        if (threadIdx.x == 0) {
+          fence_acq_rel_cluster();
+#pragma unroll
+          for (uint32_t r = 0; r < kNumSplits; ++r) mbar_arrive_cluster_relaxed(red_full, r);
+        }
+        mbar_wait_cluster(red_full, t & 1);
+      } else if constexpr (kNumSplits > 1) {
         cluster_arrive_release();
         cluster_wait_acquire();
       } else {
@@ -361,7 +398,13 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       // NOTE: no CTA may exit (its shared memory freed) or write its next partial tile while a
       // peer still reads this one. The loads above have returned their values (the stores used
       // them), so a relaxed arrive suffices.
-      if constexpr (kNumSplits > 1) {
+      if constexpr (kRedBarriers) {
+        named_barrier_sync(1, kNumMathThreads);
+        if (threadIdx.x == 0) {
+#pragma unroll
+          for (uint32_t r = 0; r < kNumSplits; ++r) mbar_arrive_cluster_relaxed(red_free, r);
+        }
+      } else if constexpr (kNumSplits > 1) {
         cluster_arrive_relaxed();
         cluster_wait_acquire();
       } else if constexpr (kMasked) {
@@ -369,13 +412,19 @@ sm90_fp8_gemm_1d2d_small_m_kernel(const float* __restrict__ sb, uint32_t shape_m
       }
     };
     if constexpr (kMasked) {
+      if constexpr (kRedBarriers) cluster_wait_acquire();
       uint32_t first = warpgroup;  // tile t: warpgroup ^ (t * (kb_end - kb_begin)) % 2
-      for (uint32_t mb = m_block; mb < m_block_end; mb += num_slots) {
-        compute_tile(mb * BLOCK_M, kb_begin + first);
+      uint32_t t = 0;
+      for (uint32_t mb = m_block; mb < m_block_end; mb += num_slots, ++t) {
+        compute_tile(mb * BLOCK_M, kb_begin + first, t);
         first ^= (kb_end - kb_begin) & 1;
       }
+      // Every peer has read the last partial tile before this CTA's shared memory goes.
+      if constexpr (kRedBarriers) {
+        if (t > 0) mbar_wait_cluster(red_free, (t - 1) & 1);
+      }
     } else {
-      compute_tile(m0, kb_begin + warpgroup);
+      compute_tile(m0, kb_begin + warpgroup, 0);
     }
   }
 #else
