@@ -357,44 +357,6 @@ def test_one_past_the_widest_two_accum_tile_spills(tmp_path, monkeypatch):
         assert max(spills) > 0, f"{cfg} compiles clean: raise TWO_ACCUM_MAX_BLOCK_N"
 
 
-# (BLOCK_N, k-grouped): tiles the turns variant takes, dense and k-grouped
-TURNS_TILES = [(128, False), (160, False), (144, True), (176, False)]
-
-
-@pytest.mark.parametrize("bn,k_grouped", TURNS_TILES)
-def test_turns_compile_as_two_chains_clean(bn, k_grouped, tmp_path, monkeypatch):
-    """turns: each k-block is two chains of BLOCK_N/2 columns (8 wgmma of half the width), the
-    warpgroups' turn barriers around them, no spills, nothing serialised."""
-    compiler_or_skip()
-    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = g.Sm90Config1d1d(128, bn, g.max_stages(128, bn, H200.smem_per_block), g.BAND_SIZE, 132,
-                           turns=True)
-    _, compiled, _, _ = g.compile_kernel(7168, cfg, k_grouped=k_grouped)
-    log = compiled.log
-    assert not re.search(r"C75\d\d", log), log
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
-    if not spills:
-        pytest.skip("this compiler's log has no ptxas report")
-    assert max(spills) == 0, log
-    from fp8gemm.jit import cuobjdump_path
-
-    tool = cuobjdump_path()
-    if tool is None:
-        pytest.skip("no cuobjdump")
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(compiled.cubin)
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
-    assert len(re.findall(rf"QGMMA\.64x{bn // 2}x32", sass)) == 8
-    assert len(re.findall(r"BAR\.ARV", sass)) == 1
-
-
-def test_turns_refuse_tiles_they_cannot_split():
-    for bad in (dict(block_m=64), dict(two_accum=True), dict(block_n=152)):
-        cfg = replace(g.Sm90Config1d1d(128, 128, 4, g.BAND_SIZE, 132, turns=True), **bad)
-        with pytest.raises(ValueError, match="turns need"):
-            g.Sm90Plan1d1d(problem(256, 256, 256), 0, cfg)
-
-
 # --- GPU ------------------------------------------------------------------------------------------
 def _operands(m, n, k, device, gen=None, a_dtype=E4M3):
     """A, B and both scales 1x128 along K, the scales in the kernel's column-major layout (what
@@ -450,39 +412,6 @@ def test_other_tiles(bm, bn, two, gpu_device):
     out = poisoned((m, n), torch.float32, gpu_device)
     _run(a, sa, b, sb, out, c, cfg)
     assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, str(cfg))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bn", [128, 160])
-def test_turns(bn, gpu_device):
-    """turns (built directly: the heuristic does not offer it): the warpgroups alternating on
-    the tensor cores, two chains a k-block, over several tiles a CTA, M, N and K tails, c in
-    place; and k-grouped with an empty group."""
-    m, n, k = 1000, 1300, 1100
-    a, sa, b, sb = _operands(m, n, k, gpu_device)
-    cfg = g.Sm90Config1d1d(128, bn, g.max_stages(128, bn, H200.smem_per_block), g.BAND_SIZE, 132,
-                           turns=True)
-    out = torch.randn(m, n, device=gpu_device)
-    ref = _reference(a, sa, b, sb, out.clone())
-    _run(a, sa, b, sb, out, out, cfg)
-    assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, str(cfg))
-    again = torch.randn(m, n, device=gpu_device)
-    ref = _reference(a, sa, b, sb, again.clone())
-    _run(a, sa, b, sb, again, again, cfg)  # a second launch: the turn barriers start afresh
-    assert_close_diff(again, ref, TENSOR_CORE_FP32_DIFF, str(cfg))
-    ks = [256, 0, 384, 128]
-    ak, sak, bk, sbk = _operands(256, 272, sum(ks), gpu_device)
-    p = problem(256, 272, sum(ks), kind=GemmKind.K_GROUPED, groups=len(ks), has_c=False)
-    ks_t = torch.tensor(ks, dtype=torch.int32, device=gpu_device)
-    outk = poisoned((len(ks), 256, 272), torch.float32, gpu_device)
-    g.K_GROUPED.run(cfg, p, ak, sak, bk, sbk, outk, None, ks_t)
-    off = 0
-    for gi, kg in enumerate(ks):
-        sl = slice(off, off + kg)
-        want = _reference(ak[:, sl], sak[:, off // 128:(off + kg) // 128], bk[:, sl],
-                          sbk[:, off // 128:(off + kg) // 128]) if kg else torch.zeros(256, 272)
-        assert_close_diff(outk[gi], want.to(outk.device), TENSOR_CORE_FP32_DIFF, f"group {gi}")
-        off += kg
 
 
 @pytest.mark.gpu

@@ -125,10 +125,6 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    # turns (BLOCK_M = 128, one accumulator, BLOCK_N % 16 == 0): the math warpgroups alternate on
-    # the tensor cores, each k-block's wgmma as two independent chains of BLOCK_N/2 columns, so
-    # that one promotes while the other's run (not offered by the heuristic: awaiting the H200)
-    turns: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -143,8 +139,7 @@ class Sm90Config1d1d:
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else "")
-                + (" turns" if self.turns else ""))
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -237,7 +232,7 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
     source = "#include <fp8gemm/sm90_fp8_gemm_1d1d.cuh>\n"
     name = (f"&fp8gemm::sm90_fp8_gemm_1d1d_kernel<{b[k_grouped]}, {n}, "
             f"{cfg.block_m}, {cfg.block_n}, {cfg.num_stages}, {cfg.band_size}, "
-            f"{b[cfg.two_accum]}, {b[a_e5m2]}, {b[cfg.turns]}>")
+            f"{b[cfg.two_accum]}, {b[a_e5m2]}>")
     return source, name
 
 
@@ -289,9 +284,6 @@ class Sm90Plan1d1d:
         self.cfg, self.device_index = cfg, device_index
         self.m, self.n, self.k, self.groups = problem.m, problem.n, problem.k, problem.groups
         self.k_grouped = problem.kind is GemmKind.K_GROUPED
-        if cfg.turns and (cfg.block_m != 128 or cfg.two_accum or cfg.block_n % 16):
-            raise ValueError(f"config {cfg}: turns need 128-row tiles, one accumulator and "
-                             f"BLOCK_N a multiple of 16 (two chains of a multiple of 8 columns)")
         a_e5m2 = problem.a_dtype == torch.float8_e5m2
         self.kernel = jit.build(*kernel_source(problem.n, cfg, self.k_grouped, a_e5m2),
                                 (str(INCLUDE_DIR),))

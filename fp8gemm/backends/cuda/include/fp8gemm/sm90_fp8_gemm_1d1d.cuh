@@ -17,9 +17,6 @@
 // stage carries its k-block of A and B and their scales (BLOCK_M and BLOCK_N floats). BLOCK_M =
 // 256 runs as two waves of 128 rows per k-block through the one accumulator, as the 1D2D kernel's
 // does: only the FP32 sums double, and a k-block's loads feed twice the FLOPs of 128 rows.
-// kTurns (BLOCK_M = 128, one accumulator, BLOCK_N a multiple of 16): the two math warpgroups take
-// turns on the tensor cores, each issuing a k-block's wgmma as two independent chains of BLOCK_N/2
-// columns only once the other's wgmma have completed, so that one promotes while the other's run.
 #pragma once
 
 #include "sm90_utils.cuh"
@@ -77,7 +74,7 @@ __device__ __forceinline__ void promote_groups(float (&fin)[kNumAccum], float (&
 }
 
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
-          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2, bool kTurns>
+          uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
 sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
@@ -112,11 +109,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   static_assert(!kTwoAccum || kNumStages >= 3,
                 "two k-blocks in flight and one being filled need three stages");
   static_assert(Layout::kSmemBytes <= 232448, "227 KB of shared memory per block at most");
-  static_assert(!kTurns || (BLOCK_M == 128 && !kTwoAccum && BLOCK_N % 16 == 0),
-                "turns: two math warpgroups of one wave, one accumulator, two chains of a "
-                "multiple of 8 columns");
-  // Turns: named barrier kTurnBar + w opens math warpgroup w's turn (barrier 0 is __syncthreads).
-  constexpr uint32_t kTurnBar = 1;
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
   uint32_t dyn_smem;
@@ -214,7 +206,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
     const bool in_place = c == out;
-    bool turned = false;  // kTurns: this warpgroup has taken a turn
 
     while (scheduler.next(tile)) {
       const uint32_t row0 = static_cast<uint32_t>(tile.m0) + r0;
@@ -233,28 +224,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         const uint64_t desc_a =
             desc_a0 + stage_ * (Layout::SMEM_A / 16) + w * (WAVE_M * BLOCK_K / 16);
         const uint64_t desc_b = desc_b0 + stage_ * (Layout::SMEM_B / 16);
-        if constexpr (kTurns) {
-          // Two chains of BLOCK_N/2 columns: the second half of the accumulator is the wgmma D
-          // fragment of columns BLOCK_N/2.., whose B rows start BLOCK_N/2 rows (whole 8-row
-          // swizzle atoms) further.
-          using Half = WgmmaFp8<BLOCK_N / 2, kAE5M2>;
-          constexpr uint32_t kHalf = kNumAccum / 2;
-          float (&lo)[kHalf] = *reinterpret_cast<float (*)[kHalf]>(&acc_[0]);
-          float (&hi)[kHalf] = *reinterpret_cast<float (*)[kHalf]>(&acc_[kHalf]);
-#pragma unroll
-          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-          wgmma_fence();
-#pragma unroll
-          for (uint32_t k = 0; k < kNumKSteps; ++k) {
-            Half::mma(desc_a + 2 * k, desc_b + 2 * k, lo, k > 0);
-            Half::mma(desc_a + 2 * k, desc_b + (BLOCK_N / 2) * BLOCK_K / 16 + 2 * k, hi, k > 0);
-          }
-          wgmma_commit();
-#pragma unroll
-          for (uint32_t i = 0; i < kNumAccum; ++i) fence_operand(acc_[i]);
-        } else {
-          wgmma_k_steps<WgmmaFp8<BLOCK_N, kAE5M2>, 0, kNumKSteps>(acc_, desc_a, desc_b);
-        }
+        wgmma_k_steps<WgmmaFp8<BLOCK_N, kAE5M2>, 0, kNumKSteps>(acc_, desc_a, desc_b);
       };
       // A stage's B scales of this thread's column pair of 8-column group g.
       auto stage_sb = [&](uint32_t stage_, uint32_t g) {
@@ -324,15 +294,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
 #pragma unroll
             for (uint32_t g = 0; g < kNumColGroups; ++g) sb[g] = stage_sb(s, g);
           }
-          // Turns: warpgroup 0's first k-block of the kernel opens the sequence; every other
-          // k-block waits for the other warpgroup's wgmma to complete.
-          if (kTurns && (warpgroup == 1 || turned)) named_barrier_sync(kTurnBar + warpgroup, 256);
           issue(acc, s, w);
           wgmma_wait<0>();
-          if constexpr (kTurns) {
-            asm volatile("bar.arrive %0, 256;" ::"r"(kTurnBar + (warpgroup ^ 1)) : "memory");
-            turned = true;
-          }
           if (w + 1 == kNumWaves) release(s);
           promote_groups(final_acc[w], acc, sa0, sa1, sb);
         }
@@ -405,9 +368,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
         }
       }
     }
-    // Turns: warpgroup 1's last arrival opens a turn nobody takes; taken here, the barrier is
-    // left complete.
-    if (kTurns && warpgroup == 0 && turned) named_barrier_sync(kTurnBar, 256);
   }
 #else
   // Built for the wrong architecture: this kernel needs sm_90a (wgmma, setmaxnreg).
