@@ -23,10 +23,10 @@
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
-#   TEST_PART=1|2      half of the GPU suite, for calls of at most 600 s: 2 is PART2_TESTS (the
-#                      quantisers, Triton and the rest that no GEMM kernel change touches), 1 all
-#                      the other files (the CUDA GEMM families, ops, nn, autograd: 310 s on the
-#                      H200, room for the dense and grouped suites in the same call)
+#   TEST_PART=1|2      half of the GPU suite, for calls of at most 600 s: 1 is PART1_TESTS (the
+#                      CUDA GEMM kernels, dense, small-M, grouped, 1D1D, k-grouped: 241 tests),
+#                      2 every other file (the quantisers, Triton, ops, nn, autograd, compile:
+#                      ~210). On an H100 the whole suite no longer fits one call's 370 s.
 #   TEST_ARGS="..."    extra pytest arguments, shell-quoted (e.g. "-x" or '-k "combine or e5m2"')
 #   TEST_TIMEOUT=450   seconds for the tests (the whole GPU suite no longer fits: 434 s ran 307 of
 #                      its ~400 tests; run it as TEST_PART=1 and 2, the bench in either call)
@@ -64,12 +64,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,me
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "triton", triton.__version__, "gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability())' 2>&1
 
-PART2_TESTS="tests/test_cuda_quant.py tests/test_quant.py tests/test_triton_gpu.py"
-PART2_TESTS+=" tests/test_validation.py tests/test_minilm.py"
+PART1_TESTS="tests/test_cuda_gpu.py tests/test_cuda_small_m.py tests/test_cuda_grouped_gpu.py"
+PART1_TESTS+=" tests/test_cuda_1d1d.py tests/test_k_grouped.py tests/test_cuda_pdl_gpu.py"
+PART1_TESTS+=" tests/test_cuda_tiles.py"
 case "${TEST_PART:-}" in
-    1) TEST_PATHS="tests/"
-       for f in $PART2_TESTS; do TEST_ARGS="${TEST_ARGS:-} --ignore=$f"; done ;;
-    2) TEST_PATHS="$PART2_TESTS" ;;
+    1) TEST_PATHS="$PART1_TESTS" ;;
+    2) TEST_PATHS="tests/"
+       for f in $PART1_TESTS; do TEST_ARGS="${TEST_ARGS:-} --ignore=$f"; done ;;
     "") ;;
     *) echo "TEST_PART must be 1 or 2, got $TEST_PART" >&2; exit 2 ;;
 esac
