@@ -24,7 +24,7 @@
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
 #   TEST_PART=1|2      half of the GPU suite, for calls of at most 600 s: 1 is PART1_TESTS (the
-#                      CUDA GEMM kernels, dense, small-M, grouped, 1D1D, k-grouped: 241 tests),
+#                      CUDA GEMM kernels, dense, small-M, grouped, 1D1D, k-grouped: about 240 tests),
 #                      2 every other file (the quantisers, Triton, ops, nn, autograd, compile:
 #                      ~210). On an H100 the whole suite no longer fits one call's 370 s.
 #   TEST_ARGS="..."    extra pytest arguments, shell-quoted (e.g. "-x" or '-k "combine or e5m2"')
