@@ -79,17 +79,22 @@ tests_summary="skipped (SKIP_TESTS=1)"
 if [[ "${SKIP_TESTS:-0}" != "1" ]]; then
     echo "== pytest -m gpu (limit ${TEST_TIMEOUT}s) -> $OUT/gpu_tests.log"
     eval "extra=(${TEST_ARGS:-})"  # (quoted words stay one argument: -k "a or b")
+    # NOTE: -v names each test before it runs, so a test that hangs (a kernel that never ends
+    # holds every later test too) is the last line before the interrupt; -rfEs lists failures,
+    # errors and skips after the run.
     # shellcheck disable=SC2086
     timeout --signal=INT --kill-after=15 "$TEST_TIMEOUT" \
-        python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${TEST_PATHS:-tests/} "${extra[@]}" \
-        >"$OUT/gpu_tests.log" 2>&1
+        python3 -m pytest -m gpu -v --tb=short -rfEs -p no:cacheprovider ${TEST_PATHS:-tests/} \
+        "${extra[@]}" >"$OUT/gpu_tests.log" 2>&1
     rc=$?
     tail -n 25 "$OUT/gpu_tests.log"
-    last="$(grep -E '( in [0-9.]+s|no tests ran)' "$OUT/gpu_tests.log" | tail -n 1)"
+    last="$(grep -E '( in [0-9.]+s|no tests ran)' "$OUT/gpu_tests.log" | tail -n 1 \
+        | sed -E 's/^=+ *//; s/ *=+$//')"
     case $rc in
         0) tests_summary="ok: $last" ;;
         5) tests_summary="no gpu tests collected" ;;
-        124|130) tests_summary="TIMED OUT after ${TEST_TIMEOUT}s: $last" ;;
+        124|130) started="$(grep -oE '^tests/[^ ]+::[^ ]+' "$OUT/gpu_tests.log" | tail -n 1)"
+                 tests_summary="TIMED OUT after ${TEST_TIMEOUT}s (last started: $started): $last" ;;
         *) tests_summary="FAILED (rc $rc): $last" ;;
     esac
 fi
