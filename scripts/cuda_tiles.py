@@ -7,6 +7,8 @@
         --shapes 4x256x4096x7168 --variants base,block_m=256+block_n=128
     python scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad \
         --shapes 2112x7168x4096,7168x2048x1000 --variants base,block_n=128+two_accum=1
+    python scripts/cuda_tiles.py --family sm90_k_grouped_fp8_gemm_1d1d --kind k_grouped_wgrad \
+        --shapes 8x4096x7168x4096,s8x7168x2048x4096 --variants base,block_m=192+block_n=112
 
 A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE changes to it
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the
@@ -35,7 +37,10 @@ no cuBLAS peer here: the speed-up is over the first variant. DeepGEMM (the bench
 where `import deep_gemm` works) is timed beside them wherever it takes the kind. --kind wgrad
 is the weight gradient of the bench's backward suite (both operands in 1x128 groups, accumulated
 into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which writes out); where
-cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant too.
+cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant too. --kind
+k_grouped_wgrad (--family sm90_k_grouped_fp8_gemm_1d1d; shapes GxMxNxK, K the tokens of each of
+the G experts, sGxMxNxK the backward-skewed suite's token counts of mean K) is the MoE weight
+gradient of the bench, timed against the per-expert cuBLAS loop (cublas-block-loop).
 
 --headers NAME=DIR (comma-separated, repeatable names not allowed) also times every variant
 built from another copy of the kernels' headers, as `VARIANT@NAME`, in the same run: the
@@ -69,9 +74,9 @@ from fp8gemm.backends.cuda import FAMILIES, TRIAL_FAMILIES  # noqa: E402
 from fp8gemm.backends.cuda import (sm90_fp8_gemm_1d1d, sm90_fp8_gemm_1d2d,  # noqa: E402
                                    sm90_fp8_gemm_small_m)
 from fp8gemm.backends.family import DeviceFacts  # noqa: E402
-from fp8gemm.bench.impls import (Skip, cublas_block_probe, make_data, make_impl,  # noqa: E402
-                                 reference_output)
-from fp8gemm.bench.suites import Case, skewed_sizes  # noqa: E402
+from fp8gemm.bench.impls import (Skip, case_problem, cublas_block_probe,  # noqa: E402
+                                 k_grouped_operands, make_data, make_impl, reference_output)
+from fp8gemm.bench.suites import Case, backward_skewed_sizes, skewed_sizes  # noqa: E402
 from fp8gemm.bench.timing import (DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS, eager_time_us,  # noqa: E402
                                   geomean, median)
 from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E402
@@ -170,7 +175,7 @@ def tile_count(problem: GemmProblem, cfg) -> int:
     rows = (sm90_fp8_gemm_small_m.expected_rows(problem) if problem.kind is GemmKind.MASKED
             else problem.m)
     m_tiles = ceil_div(rows, cfg.block_m)
-    groups = problem.groups if problem.kind is GemmKind.MASKED else 1
+    groups = problem.groups if problem.kind in (GemmKind.MASKED, GemmKind.K_GROUPED) else 1
     return groups * m_tiles * ceil_div(problem.n, cfg.block_n)
 
 
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"one of {', '.join(f.name for f in FAMILIES + TRIAL_FAMILIES)}")
     ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
                                                          if k is not GemmKind.K_GROUPED]
-                    + ["wgrad"])
+                    + ["wgrad", "k_grouped_wgrad"])
     ap.add_argument("--shapes", default=M4096,
                     help="comma-separated MxNxK (grouped: GxMxNxK, sGxMxNxK skewed)")
     ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
@@ -252,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     facts = DeviceFacts.of(dev)
     timer = DeviceTimer(dev)
-    wgrad = args.kind == "wgrad"
-    kind = GemmKind.DENSE if wgrad else GemmKind(args.kind)
+    k_grouped = args.kind == "k_grouped_wgrad"
+    wgrad = args.kind == "wgrad" or k_grouped  # out += A . B^T in fp32, in place
+    kind = (GemmKind.K_GROUPED if k_grouped else GemmKind.DENSE if wgrad
+            else GemmKind(args.kind))
     dense = kind is GemmKind.DENSE
     out_dtype = torch.float32 if wgrad else torch.bfloat16
     block_way = cublas_block_probe(dev)[0] if dense else None  # the bench's way of calling it
@@ -264,14 +271,21 @@ def main(argv: list[str] | None = None) -> int:
         if len(dims) != (3 if dense else 4):
             ap.error(f"--shapes: {shape!r} is not {'MxNxK' if dense else '[s]GxMxNxK'}")
         g, (m, n, k) = (1, dims) if dense else (dims[0], dims[1:])
-        sizes = skewed_sizes(g * m, g) if skewed else ()
+        sizes = () if not skewed else (backward_skewed_sizes(g, k) if k_grouped
+                                       else skewed_sizes(g * m, g))
         data = make_data(Case("tiles", args.kind, m, n, k, groups=g, sizes=sizes), dev)
-        if dense:
+        operands = (data.a, data.sa, data.b, data.sb)
+        if k_grouped:
+            problem = case_problem(data.case)
+            *operands, ks = k_grouped_operands(data)
+        elif dense:
             problem = wgrad_problem(m, n, k) if wgrad else dense_problem(m, n, k)
         else:
             problem = grouped_problem(kind, data, g, m, n, k)
         index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
-                 GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
+                 GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m,
+                 GemmKind.K_GROUPED: ks if k_grouped else None}[kind]
+        out_shape = (g, m, n) if k_grouped else data.a.shape[:-1] + (n,)
         why = fam.supports(problem)
         if why is not None:
             print(f"{shape}: {fam.name} does not run it: {why}", flush=True)
@@ -310,15 +324,14 @@ def main(argv: list[str] | None = None) -> int:
                     configs[f"{x}@{h}"], runner[f"{x}@{h}"] = c, runner[x]
         for name, cfg in configs.items():
             # (wgrad: out += A . B^T, so out starts at zero; otherwise poisoned)
-            out = torch.full(data.a.shape[:-1] + (n,), 0.0 if wgrad else float("nan"),
-                             dtype=out_dtype, device=dev)
+            out = torch.full(out_shape, 0.0 if wgrad else float("nan"), dtype=out_dtype,
+                             device=dev)
             h = name.partition("@")[2]
 
-            def fn(cfg=cfg, out=out, d=data, h=h, f=runner[name]):
+            def fn(cfg=cfg, out=out, h=h, f=runner[name]):
                 with (kernel_headers(headers[h], header_caches[h]) if h
                       else contextlib.nullcontext()):
-                    f.run(cfg, problem, d.a, d.sa, d.b, d.sb, out, out if wgrad else None,
-                          index)
+                    f.run(cfg, problem, *operands, out, out if wgrad else None, index)
 
             try:
                 fn()
@@ -331,14 +344,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape} {name}: WRONG, diff {diff:.2e}  ({cfg})", flush=True)
                 continue
             calls[name] = fn
-        if dense:
+        cublas = "cublas-block-loop" if k_grouped else "cublas-block"
+        if dense or k_grouped:
             try:
-                calls["cublas-block"] = make_impl("cublas-block", data, block_way).fn
+                calls[cublas] = make_impl(cublas, data, block_way).fn
             except Skip as e:
-                print(f"{shape} cublas-block: not timed: {e}", flush=True)
+                print(f"{shape} {cublas}: not timed: {e}", flush=True)
         if not calls:
             continue
-        peer = "cublas-block" if "cublas-block" in calls else next(iter(calls))
+        peer = cublas if cublas in calls else next(iter(calls))
         busy = dict.fromkeys(calls, MIN_BUSY_US)
         try:
             dg = make_impl("deepgemm", data)
@@ -350,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             [(calls[x], eager_time_us(calls[x], dev).host_us, busy[x]) for x in names],
             args.runs)
         us = {x: median(t) for x, t in zip(names, times)}
-        flops = 2 * ref.shape[0] * n * k  # data rows only (no padding, no rows past masked_m)
+        # data rows only (no padding, no rows past masked_m); k-grouped: every expert's tokens
+        flops = 2 * m * n * sum(data.case.group_sizes) if k_grouped else 2 * ref.shape[0] * n * k
         for x in names:
             speedup = us[peer] / us[x]
             cfg = configs.get(x)
@@ -361,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                          "config": None if cfg is None else dataclasses.asdict(cfg)})
         del data, ref
         torch.cuda.empty_cache()
-    over = "cuBLAS block-wise" if dense else "the first variant"
+    over = ("cuBLAS block-wise" if dense else "the cuBLAS loop" if k_grouped
+            else "the first variant")
     print(f"geometric mean of the speed-up over {over}, over the shapes each ran:")
     for x in dict.fromkeys(r["variant"] for r in rows):
         xs = [r["speedup"] for r in rows if r["variant"] == x]

@@ -24,9 +24,9 @@
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
 #   TEST_PART=1|2      half of the GPU suite, for calls of at most 600 s: 1 is PART1_TESTS (the
-#                      CUDA GEMM kernels, dense, small-M, grouped, 1D1D, k-grouped: about 240 tests),
-#                      2 every other file (the quantisers, Triton, ops, nn, autograd, compile:
-#                      ~210). On an H100 the whole suite no longer fits one call's 370 s.
+#                      CUDA GEMM kernels: dense, small-M, grouped, 1D1D, k-grouped; about 240
+#                      tests), 2 every other file (the quantisers, Triton, ops, nn, autograd,
+#                      compile: about 210). On an H100 the whole suite no longer fits 370 s.
 #   TEST_ARGS="..."    extra pytest arguments, shell-quoted (e.g. "-x" or '-k "combine or e5m2"')
 #   TEST_TIMEOUT=450   seconds for the tests (the whole GPU suite no longer fits: 434 s ran 307 of
 #                      its ~400 tests; run it as TEST_PART=1 and 2, the bench in either call)

@@ -71,6 +71,32 @@ def test_wgrad_two_accum_variant():
     assert cfg.grid == min(132, ceil_div(2112, 128) * ceil_div(7168, 128))
 
 
+def test_wgrad_three_warpgroup_variant():
+    """block_m=192 (three math warpgroups, not offered by the heuristic): 512 threads, the most
+    stages that fit, a CTA per tile up to the SM count (2112 rows: 11 blocks)."""
+    p = ct.wgrad_problem(2112, 7168, 4096)
+    base, cfg = _derive(g1.DENSE, p, "block_m=192+block_n=112")
+    assert (cfg.block_m, cfg.block_n, cfg.num_threads) == (192, 112, 512)
+    assert cfg.smem <= H200.smem_per_block and cfg.num_stages >= 2
+    assert cfg.grid == min(132, 11 * ceil_div(7168, 112))
+
+
+def test_k_grouped_variant_counts_every_expert_s_tiles():
+    """--kind k_grouped_wgrad: the problem the bench's op builds (K = every expert's tokens);
+    a changed tile re-derives the grid over the G experts' tiles."""
+    from fp8gemm.bench.impls import case_problem
+    from fp8gemm.bench.suites import Case, backward_skewed_sizes
+
+    sizes = backward_skewed_sizes(8, 4096)
+    assert len(sizes) == 8 and sum(sizes) == 8 * 4096 and all(x % 128 == 0 for x in sizes)
+    assert 0 in sizes  # the suite's experts with no tokens
+    p = case_problem(Case("tiles", "k_grouped_wgrad", 256, 576, 4096, groups=8, sizes=sizes))
+    assert p.kind is GemmKind.K_GROUPED and p.k == 8 * 4096 and p.groups == 8
+    assert g1.K_GROUPED.supports(p) is None
+    _, cfg = _derive(g1.K_GROUPED, p, "block_m=64+block_n=96")
+    assert cfg.grid == min(132, 8 * ceil_div(256, 64) * ceil_div(576, 96))
+
+
 @pytest.mark.parametrize("spec", ["num_splits=3", "block_m=16", "block_m=24+num_splits=5"])
 def test_small_m_variants_keep_one_cta_per_tile_and_split_and_even_rings(spec):
     p = ct.dense_problem(20, 2112, 7168)

@@ -47,7 +47,7 @@ from .suites import DENSE_LIKE_OPS, MOE_LAYER, OPS, Case
 __all__ = ["Skip", "Impl", "CaseData", "make_data", "make_impl", "reference_output",
            "FP8GEMM_IMPLS", "PEER_IMPLS", "ALL_IMPLS", "DEFAULT_IMPLS", "REFERENCE_MAX_FLOPS",
            "applies", "cublas_block_probe", "BLOCK_WAYS", "WGRAD_BLOCK_WAYS", "WRONG_DIFF",
-           "DEEPGEMM_BUSY_US", "GRAPH_MAX_TOKENS", "case_problem"]
+           "DEEPGEMM_BUSY_US", "GRAPH_MAX_TOKENS", "case_problem", "k_grouped_operands"]
 
 FP8GEMM_IMPLS = ("fp8gemm-cuda", "fp8gemm-triton", "fp8gemm-reference")
 PEER_IMPLS = ("cublas-block", "cublas-tensor", "cublas-rowwise-grouped", "cublas-block-loop",
@@ -469,20 +469,27 @@ def _fp8gemm(impl: str, data: CaseData) -> Impl:
     return Impl(impl, fn, lambda: data.data_rows(out), note=note)
 
 
+def k_grouped_operands(data: CaseData) -> tuple[torch.Tensor, ...]:
+    """(a, sa, b, sb, ks) of a k_grouped_wgrad case as the op takes them: the experts side by
+    side along K, A [M, sum K_g] (what transposing the token-major activations gives) and
+    B [N, sum K_g], their scales [rows, sum ceil(K_g/128)] the transposed [sum kb, rows] ones
+    (column-major views), ks [G] int32 on the device."""
+    c = data.case
+    ks = torch.tensor(c.group_sizes, device=data.a.device, dtype=torch.int32)
+    return (_k_cat([e[0] for e in data.experts]), data.sa.t(),
+            _k_cat([e[2] for e in data.experts]), data.sb.t(), ks)
+
+
 def _fp8gemm_k_grouped(impl: str, name: str, data: CaseData) -> Impl:
     """The public k-grouped op: every expert's weight gradient in one call."""
     import fp8gemm
 
     c = data.case
     out = torch.zeros(c.groups, c.m, c.n, device=data.a.device, dtype=torch.float32)
-    ks = torch.tensor(c.group_sizes, device=data.a.device, dtype=torch.int32)
-    # NOTE: the op takes the experts side by side along K, A [M, sum K_g] (what transposing the
-    # token-major activations gives), made here outside the timed call; its scales
-    # [M, sum ceil(K_g/128)] are the transposed [sum kb, M] ones (column-major views).
-    a = (_k_cat([e[0] for e in data.experts]), data.sa.t())
-    b = (_k_cat([e[2] for e in data.experts]), data.sb.t())
+    # NOTE: the operands are made here, outside the timed call.
+    a, sa, b, sb, ks = k_grouped_operands(data)
     fn = lambda: fp8gemm.k_grouped_fp8_gemm_nt_contiguous(  # noqa: E731
-        a, b, out, ks, c=out, backend=name)
+        (a, sa), (b, sb), out, ks, c=out, backend=name)
     return Impl(impl, fn, lambda: out,
                 note="k_grouped_fp8_gemm_nt_contiguous, out += A_g . B_g^T, A [M, sum K_g]")
 

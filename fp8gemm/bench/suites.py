@@ -30,8 +30,8 @@ import random
 from dataclasses import dataclass
 
 __all__ = ["Case", "SUITES", "OPS", "BASELINE", "suite_cases", "all_suite_names",
-           "skewed_sizes", "SKEW_EXPONENT", "MOE_LAYER", "FLOOR_BYTES_PER_US", "FLOOR_FIXED_US",
-           "DENSE_LIKE_OPS"]
+           "skewed_sizes", "backward_skewed_sizes", "SKEW_EXPONENT", "MOE_LAYER",
+           "FLOOR_BYTES_PER_US", "FLOOR_FIXED_US", "DENSE_LIKE_OPS"]
 
 OPS = ("dense", "contiguous", "offsets", "masked", "wgrad", "dgrad", "k_grouped_wgrad",
        "moe_layer")
@@ -288,6 +288,12 @@ def _skewed(quick: bool) -> list[Case]:
     return out
 
 
+def backward_skewed_sizes(groups: int, tokens: int) -> tuple[int, ...]:
+    """The backward-skewed suite's token counts of `groups` experts averaging `tokens`: skewed
+    whole 128-token blocks, _KGROUPED_EMPTY experts with none."""
+    return skewed_sizes(groups * tokens, groups, unit=_BLOCK, empty=_KGROUPED_EMPTY)
+
+
 def _backward(quick: bool) -> list[Case]:
     """wgrad and dgrad of each dense layer Y = X . W^T (W [N_out, K_in]) at each token count,
     then the k-grouped wgrad with equal and with skewed token counts."""
@@ -295,7 +301,7 @@ def _backward(quick: bool) -> list[Case]:
     wgrad = [Case("backward", "wgrad", n, k, t) for t in _BACKWARD_TOKENS for n, k in nk]
     dgrad = [Case("backward", "dgrad", t, k, n) for t in _BACKWARD_TOKENS for n, k in nk]
     g, t = _KGROUPED_EXPERTS, _KGROUPED_TOKENS
-    skewed = skewed_sizes(g * t, g, unit=_BLOCK, empty=_KGROUPED_EMPTY)
+    skewed = backward_skewed_sizes(g, t)
     kgrouped = [Case(suite, "k_grouped_wgrad", m, n, t, g, sizes)
                 for suite, sizes in (("backward", ()), ("backward-skewed", skewed))
                 for m, n in _KGROUPED_MN]
