@@ -530,14 +530,19 @@ def test_masked_family_supports_a_subset_of_the_grouped_family():
 
 def test_masked_model_takes_one_or_two_experts_where_grouped_tiles_idle():
     """One expert of 128 expected rows at N = 4096, K = 7168: the grouped family's 128-row tiles
-    are 32 wide to fill 128 SMs, and the small-M tiles split K in two instead; with four experts
-    the small-M tiles no longer fit one wave."""
+    are 32 wide to fill 128 SMs, and the small-M tiles split K in two instead; two experts of 32
+    and 128 rows, and one at 7168x2048, are taken by MASKED_WIN_FACTOR (measured faster there);
+    with four experts the small-M tiles no longer fit one wave, and two experts of 64 rows at
+    N = 2112 price more than the margin above the grouped family's."""
     p = masked_problem(1, 256, 4096, 7168, 128)
     cfg = sm.MASKED_SMALL_M.select_config(p, H200)
     assert (cfg.block_m, cfg.num_splits, cfg.num_slots, cfg.grid) == (128, 2, 1, 128)
+    for g, expected, n, k in [(1, 32, 4096, 7168), (2, 32, 4096, 7168), (2, 128, 4096, 7168),
+                              (1, 32, 7168, 2048), (1, 128, 7168, 2048)]:
+        assert sm.MASKED_SMALL_M.declines(masked_problem(g, 256, n, k, expected), H200) is None
     why = sm.MASKED_SMALL_M.declines(masked_problem(4, 256, 4096, 7168, 64), H200)
     assert "one wave" in why
-    why = sm.MASKED_SMALL_M.declines(masked_problem(2, 256, 4096, 7168, 64), H200)
+    why = sm.MASKED_SMALL_M.declines(masked_problem(2, 256, 2112, 7168, 64), H200)
     assert "grouped family" in why
 
 
