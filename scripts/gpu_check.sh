@@ -16,7 +16,8 @@
 #   QUANT=1            also the quantisers against a bf16 copy (scripts/quant_bandwidth.py, e4m3
 #                      and e5m2) -> quant.log, quant.json (at most 120 s)
 #   PROBE=1            also the mainloop probes (scripts/wgmma_probe.py: tensor cores against
-#                      the promotion, no loads) -> probe.log, probe.json (at most 90 s)
+#                      the promotion, no loads) -> probe.log, probe.json (at most 90 s);
+#                      PROBE_ONLY="NAME,NAME": those probes alone
 #   TILES="ARGS; ARGS" also scripts/cuda_tiles.py once per ';'-separated argument list (configs
 #                      of a family timed against its choice and peers in one run), each at most
 #                      TILES_TIMEOUT=150 s -> tiles.log, tiles-1.json, tiles-2.json, ...
@@ -155,8 +156,11 @@ fi
 probe_summary="skipped (PROBE=0)"
 if [[ "${PROBE:-0}" == "1" ]]; then
     echo "== mainloop probes -> $OUT/probe.log"
+    only=()
+    [[ -n "${PROBE_ONLY:-}" ]] && only=(--only "$PROBE_ONLY")
     timeout --signal=INT --kill-after=10 90 \
-        python3 scripts/wgmma_probe.py --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
+        python3 scripts/wgmma_probe.py --json "$OUT/probe.json" "${only[@]}" \
+        >"$OUT/probe.log" 2>&1
     rc=$?
     cat "$OUT/probe.log"
     probe_summary="rc $rc, $(grep -c 'cycles/k-block' "$OUT/probe.log") probes"
