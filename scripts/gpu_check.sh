@@ -15,6 +15,8 @@
 #   SKIP_TESTS=1       no pytest;  SKIP_BENCH=1: no benchmark
 #   QUANT=1            also the quantisers against a bf16 copy (scripts/quant_bandwidth.py, e4m3
 #                      and e5m2) -> quant.log, quant.json (at most 120 s)
+#   COPY=1             also a copy of each decode GEMM's bytes against the bench's memory floor
+#                      (scripts/copy_floor.py) -> copy.log, copy.json (at most 60 s)
 #   PROBE=1            also the mainloop probes (scripts/wgmma_probe.py: tensor cores against
 #                      the promotion, no loads) -> probe.log, probe.json (at most 90 s);
 #                      PROBE_ONLY="NAME,NAME": those probes alone
@@ -143,6 +145,16 @@ if [[ "${SKIP_BENCH:-0}" != "1" ]]; then
     (( ${#failed[@]} )) && bench_summary+="; problems: ${failed[*]}"
 fi
 
+copy_summary="skipped (COPY=0)"
+if [[ "${COPY:-0}" == "1" ]]; then
+    echo "== copies of the decode GEMMs' bytes -> $OUT/copy.log"
+    timeout --signal=INT --kill-after=10 60 python3 scripts/copy_floor.py \
+        --json "$OUT/copy.json" >"$OUT/copy.log" 2>&1
+    rc=$?
+    cat "$OUT/copy.log"
+    copy_summary="rc $rc, $(grep -c 'the floor' "$OUT/copy.log") shapes"
+fi
+
 quant_summary="skipped (QUANT=0)"
 if [[ "${QUANT:-0}" == "1" ]]; then
     echo "== quantisers against a copy -> $OUT/quant.log"
@@ -216,6 +228,7 @@ fi
 echo "tests: $tests_summary"
 echo "bench: $bench_summary"
 echo "quant: $quant_summary"
+echo "copy: $copy_summary"
 echo "probes: $probe_summary"
 echo "tiles: $tiles_summary"
 echo "deepgemm test_core on the drop-in: $dg_summary"
