@@ -192,3 +192,29 @@ def test_ncu_call_runs_the_variant(op, shape, spec, gpu_device):
     fn()
     torch.cuda.synchronize()
     assert calc_diff(data.data_rows(out), reference_output(data)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("args", [
+    ["--family", "sm90_fp8_gemm_1d1d", "--kind", "wgrad", "--shapes", "384x576x1000",
+     "--variants", "base,block_m=192+block_n=112"],
+    ["--family", "sm90_k_grouped_fp8_gemm_1d1d", "--kind", "k_grouped_wgrad",
+     "--shapes", "3x256x576x640,s4x200x576x384", "--variants", "base,block_m=192+block_n=112"],
+    ["--family", "sm90_m_grouped_fp8_gemm_1d2d_small_m", "--kind", "masked",
+     "--shapes", "2x64x576x1024", "--also", "sm90_m_grouped_fp8_gemm_1d2d"],
+], ids=["wgrad", "k_grouped", "masked_small_m"])
+def test_main_times_every_variant_right(args, gpu_device, tmp_path, capsys):
+    """The script end to end on small shapes: every variant and peer runs, none is WRONG or
+    refused, and each lands in the JSON (the three-warpgroup 1D1D tiles, dense and k-grouped
+    with skewed token counts, and the masked small-M family beside the grouped one)."""
+    import json
+
+    out = tmp_path / "rows.json"
+    assert ct.main(args + ["--runs", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "WRONG" not in printed and "refused" not in printed, printed
+    rows = json.loads(out.read_text())
+    shapes = args[args.index("--shapes") + 1].split(",")
+    for shape in shapes:
+        variants = {r["variant"] for r in rows if r["shape"] == shape}
+        assert len(variants) >= 2, (shape, variants, printed)
