@@ -9,10 +9,11 @@ The bench's floor of a GEMM (fp8gemm.bench.suites: `Case.floor_us`) is its fewes
 FLOOR_BYTES_PER_US (the copy bandwidth of 2 GB) plus FLOOR_FIXED_US (an almost empty kernel).
 A copy of half those bytes moves the same bytes through DRAM (each read and written once), so
 its time is what the floor would be if a small transfer ran at a small copy's rate: the floor
-any kernel that streams those bytes can reach. Printed per shape: the floor, the copy (`dst.copy_
-(src)`, uint8), the copy over the floor, and the effective bandwidth past FLOOR_FIXED_US; timed
-as the benchmark times (fp8gemm.bench.timing: cold L2, launch cost hidden, the calls taking
-turns run by run, median).
+any kernel that streams those bytes can reach. Printed first: an almost empty kernel (a
+one-element add), the floor's fixed part measured again; then per shape the floor, the copy
+(`dst.copy_(src)`, uint8), the copy over the floor, and the effective bandwidth past
+FLOOR_FIXED_US; timed as the benchmark times (fp8gemm.bench.timing: cold L2, launch cost hidden,
+the calls taking turns run by run, median).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp8gemm.bench.suites import FLOOR_FIXED_US, Case, suite_cases  # noqa: E402
-from fp8gemm.bench.timing import DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS, eager_time_us, geomean, median  # noqa: E402
+from fp8gemm.bench.timing import (DeviceTimer, MIN_BUSY_US, MIN_DEVICE_RUNS,  # noqa: E402
+                                  eager_time_us, geomean, median)
 
 
 def default_shapes() -> list[tuple[int, int, int]]:
@@ -51,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     timer = DeviceTimer(dev)
+    tiny = torch.zeros(1, device=dev)
+    empty = lambda: tiny.add_(1)  # noqa: E731
+    empty_us = median(timer.time_interleaved_us(
+        [(empty, eager_time_us(empty, dev).host_us, MIN_BUSY_US)], args.runs)[0])
+    print(f"an almost empty kernel: {empty_us:.1f} us (the floor's fixed part: "
+          f"{FLOOR_FIXED_US:g} us)", flush=True)
     rows, ratios = [], []
     for m, n, k in shapes:
         case = Case("copy-floor", "dense", m, n, k)
@@ -71,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         del src, dst
     print(f"geometric mean of copy / floor: {geomean(ratios):.3f} ({len(ratios)} shapes)")
     if args.json:
-        meta = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+        meta = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                "empty_kernel_us": round(empty_us, 3)}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 
