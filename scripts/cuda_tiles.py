@@ -274,17 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         sizes = () if not skewed else (backward_skewed_sizes(g, k) if k_grouped
                                        else skewed_sizes(g * m, g))
         data = make_data(Case("tiles", args.kind, m, n, k, groups=g, sizes=sizes), dev)
-        operands = (data.a, data.sa, data.b, data.sb)
         if k_grouped:
             problem = case_problem(data.case)
-            *operands, ks = k_grouped_operands(data)
-        elif dense:
-            problem = wgrad_problem(m, n, k) if wgrad else dense_problem(m, n, k)
+            *operands, index = k_grouped_operands(data)  # index: ks
         else:
-            problem = grouped_problem(kind, data, g, m, n, k)
-        index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
-                 GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m,
-                 GemmKind.K_GROUPED: ks if k_grouped else None}[kind]
+            problem = (grouped_problem(kind, data, g, m, n, k) if not dense
+                       else wgrad_problem(m, n, k) if wgrad else dense_problem(m, n, k))
+            operands = (data.a, data.sa, data.b, data.sb)
+            index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
+                     GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
         out_shape = (g, m, n) if k_grouped else data.a.shape[:-1] + (n,)
         why = fam.supports(problem)
         if why is not None:
