@@ -95,10 +95,13 @@ PROBES = [
     Probe("3wg n128 promote1", 128, mma_wgs=3, promote=1),
     Probe("3wg n128 promote2", 128, mma_wgs=3, promote=2),
     # the 1D1D kernel's three-warpgroup tiles (BLOCK_M = 192) fit 112 columns, against two
-    # warpgroups at the same width
+    # warpgroups at the same width; four (one 256-row wave: 120 registers a math thread beside a
+    # producer) would fit about 80
     Probe("2wg n112 promote2", 112, promote=2),
     Probe("3wg n112 promote2", 112, mma_wgs=3, promote=2),
     Probe("3wg n96 promote2", 96, mma_wgs=3, promote=2),
+    Probe("4wg n64 promote2", 64, mma_wgs=4, promote=2),
+    Probe("4wg n80 promote2", 80, mma_wgs=4, promote=2),
     # FFMA streams of another warpgroup beside the wgmma: do the FP32 pipes slow the tensor cores?
     Probe("1wg n128 + ffma wg", 128, mma_wgs=1, ffma_wgs=1),
     Probe("1wg n128 2 chains + ffma wg", 128, mma_wgs=1, ffma_wgs=1, chains=2),
