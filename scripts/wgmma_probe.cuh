@@ -7,7 +7,9 @@
 //   kPromote 0: none, every k-block accumulating onto the last (a k-block that starts a fresh
 //   sum nobody reads is dead code to ptxas, which leaves a placeholder HGMMA in its place);
 //   1: sums += acc * (sa * sb), sb one scalar per k-block (1D2D: 1 FFMA an element);
-//   2: sb per column (1D1D: 1 FMUL + 1 FFMA an element).
+//   2: sb per column (1D1D: 1 FMUL + 1 FFMA an element);
+//   3: as 2, the FMULs (sa * sb of every element) issued between the k-block's wgmma issue and
+//   its wait, so that only the FFMAs follow the wait (R more registers).
 // kPipelined: two accumulators, k-block j + 1 issued before the wait for j (chunks of 8 k-blocks
 // unrolled, each ending with none in flight, as the kernels run them; iters a multiple of 8).
 // kLockstep: the math warpgroups meet at a named barrier before every k-block (as if each
@@ -76,6 +78,7 @@ wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ sp
   static_assert(N % kChains == 0 && kNC % 8 == 0, "chains of whole 8-column groups");
   static_assert(!kPipelined || kChains == 1, "two accumulators of one chain each");
   static_assert(!kTurns || (kMmaWGs == 2 && !kPipelined && !kLockstep), "turns of two warpgroups");
+  static_assert(kPromote != 3 || (!kPipelined && !kTurns), "products formed under one accumulator");
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -168,9 +171,39 @@ wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ sp
         if (kLockstep) named_barrier_sync(1, kMmaWGs * 128);
         if (kTurns && (wg == 1 || kb > 0)) named_barrier_sync(3 + wg, 256);
         issue(acc);
-        wgmma_wait<0>();
-        if (kTurns) asm volatile("bar.arrive %0, 256;" ::"r"(4 - wg) : "memory");
-        promote_kb(acc, kb);
+        if constexpr (kPromote == 3) {
+          // the products sa * sb of this k-block formed while its wgmma run
+          const uint32_t slot = kb % 4;
+          const float sa0 = sa_rows[slot * 64 * kMmaWGs], sa1 = sa_rows[slot * 64 * kMmaWGs + 8];
+          float prod[kChains][R];
+#pragma unroll
+          for (uint32_t c = 0; c < kChains; ++c)
+#pragma unroll
+            for (uint32_t g = 0; g < R / 4; ++g) {
+              const float2 b =
+                  *reinterpret_cast<const float2*>(sb_cols + slot * N + c * kNC + 8 * g);
+              prod[c][4 * g + 0] = sa0 * b.x;
+              prod[c][4 * g + 1] = sa0 * b.y;
+              prod[c][4 * g + 2] = sa1 * b.x;
+              prod[c][4 * g + 3] = sa1 * b.y;
+            }
+#pragma unroll
+          for (uint32_t c = 0; c < kChains; ++c)
+#pragma unroll
+            for (uint32_t i = 0; i < R; ++i) fence_operand(prod[c][i]);
+          wgmma_wait<0>();
+#pragma unroll
+          for (uint32_t c = 0; c < kChains; ++c)
+#pragma unroll
+            for (uint32_t i = 0; i < R; ++i) {
+              fence_operand(acc[c][i]);
+              sum[c][i] = fmaf(acc[c][i], prod[c][i], sum[c][i]);
+            }
+        } else {
+          wgmma_wait<0>();
+          if (kTurns) asm volatile("bar.arrive %0, 256;" ::"r"(4 - wg) : "memory");
+          promote_kb(acc, kb);
+        }
       }
       // (warpgroup 1's last arrival opens a turn nobody takes: taken here, the barrier is left
       // complete)

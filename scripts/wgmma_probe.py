@@ -9,8 +9,9 @@ the FP32 pipes (1D2D: an FFMA per accumulator element; 1D1D: an FMUL and an FFMA
 H200, taking the promotion out of a kernel saved its whole issue time, with one accumulator and
 with two (docs/cuda.md, "The 1D1D kernels"): it did not overlap the wgmma. These probes
 (scripts/wgmma_probe.cuh) run that k-block on one CTA per SM with no loads, so that what is left
-is the tensor cores and the promotion: one to three warpgroups, dependent or independent chains,
-promotion or none, free-running (from the same clock or staggered), meeting before every
+is the tensor cores and the promotion: one to four warpgroups, dependent or independent chains,
+promotion or none (the 1D1D products formed after the wait or under the k-block's own
+wgmma), free-running (from the same clock or staggered), meeting before every
 k-block or taking turns on the tensor cores, and FFMA streams in a warpgroup of their own beside
 the wgmma of another. Printed per probe: clock cycles per k-block (median of the CTAs' clock64
 spans), the tensor cores' share of them (warpgroups x 64 x N x 128 FMA at 4096 FP8 FMA a cycle
@@ -101,6 +102,10 @@ PROBES = [
     Probe("3wg n112 promote2", 112, mma_wgs=3, promote=2),
     Probe("3wg n96 promote2", 96, mma_wgs=3, promote=2),
     Probe("4wg n64 promote2", 64, mma_wgs=4, promote=2),
+    # the 1D1D products formed under the k-block's own wgmma, only the FFMAs after the wait
+    Probe("2wg n128 premul", 128, promote=3),
+    Probe("3wg n112 premul", 112, mma_wgs=3, promote=3),
+    Probe("3wg n96 premul", 96, mma_wgs=3, promote=3),
     Probe("4wg n80 promote2", 80, mma_wgs=4, promote=2),
     # FFMA streams of another warpgroup beside the wgmma: do the FP32 pipes slow the tensor cores?
     Probe("1wg n128 + ffma wg", 128, mma_wgs=1, ffma_wgs=1),
