@@ -138,9 +138,14 @@ wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ sp
 #pragma unroll
         for (uint32_t i = 0; i < R; ++i) fence_operand(a[c][i]);
     };
+    // k-block kb's A scales of this thread's rows r and r + 8 (its scales sit in slot kb % 4)
+    auto row_scales = [&](uint32_t kb) {
+      return make_float2(sa_rows[kb % 4 * 64 * kMmaWGs], sa_rows[kb % 4 * 64 * kMmaWGs + 8]);
+    };
     auto promote_kb = [&](float (&a)[kChains][R], uint32_t kb) {
       const uint32_t slot = kb % 4;
-      const float sa0 = sa_rows[slot * 64 * kMmaWGs], sa1 = sa_rows[slot * 64 * kMmaWGs + 8];
+      const float2 sa = row_scales(kb);
+      const float sa0 = sa.x, sa1 = sa.y;
       const float sb = smem_sb[slot];
 #pragma unroll
       for (uint32_t c = 0; c < kChains; ++c)
@@ -173,19 +178,18 @@ wgmma_probe(uint32_t iters, float* __restrict__ sink, long long* __restrict__ sp
         issue(acc);
         if constexpr (kPromote == 3) {
           // the products sa * sb of this k-block formed while its wgmma run
-          const uint32_t slot = kb % 4;
-          const float sa0 = sa_rows[slot * 64 * kMmaWGs], sa1 = sa_rows[slot * 64 * kMmaWGs + 8];
+          const float2 sa = row_scales(kb);
           float prod[kChains][R];
 #pragma unroll
           for (uint32_t c = 0; c < kChains; ++c)
 #pragma unroll
             for (uint32_t g = 0; g < R / 4; ++g) {
               const float2 b =
-                  *reinterpret_cast<const float2*>(sb_cols + slot * N + c * kNC + 8 * g);
-              prod[c][4 * g + 0] = sa0 * b.x;
-              prod[c][4 * g + 1] = sa0 * b.y;
-              prod[c][4 * g + 2] = sa1 * b.x;
-              prod[c][4 * g + 3] = sa1 * b.y;
+                  *reinterpret_cast<const float2*>(sb_cols + kb % 4 * N + c * kNC + 8 * g);
+              prod[c][4 * g + 0] = sa.x * b.x;
+              prod[c][4 * g + 1] = sa.x * b.y;
+              prod[c][4 * g + 2] = sa.y * b.x;
+              prod[c][4 * g + 3] = sa.y * b.y;
             }
 #pragma unroll
           for (uint32_t c = 0; c < kChains; ++c)

@@ -102,6 +102,7 @@ PROBES = [
     Probe("3wg n112 promote2", 112, mma_wgs=3, promote=2),
     Probe("3wg n96 promote2", 96, mma_wgs=3, promote=2),
     Probe("4wg n64 promote2", 64, mma_wgs=4, promote=2),
+    Probe("4wg n80 promote2", 80, mma_wgs=4, promote=2),
     # the 1D1D products formed under the k-block's own wgmma, only the FFMAs after the wait
     # (the 1D1D kernel's SASS at 128x128 has them so already; at 128x160 and 192x112 ptxas sinks
     # them below the wait, short of registers)
@@ -109,7 +110,6 @@ PROBES = [
     Probe("2wg n160 premul", 160, promote=3),
     Probe("3wg n112 premul", 112, mma_wgs=3, promote=3),
     Probe("3wg n96 premul", 96, mma_wgs=3, promote=3),
-    Probe("4wg n80 promote2", 80, mma_wgs=4, promote=2),
     # FFMA streams of another warpgroup beside the wgmma: do the FP32 pipes slow the tensor cores?
     Probe("1wg n128 + ffma wg", 128, mma_wgs=1, ffma_wgs=1),
     Probe("1wg n128 2 chains + ffma wg", 128, mma_wgs=1, ffma_wgs=1, chains=2),
