@@ -53,10 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
     timer = DeviceTimer(dev)
+
+    def time_us(fn) -> float:
+        """The median device time of `fn`, timed as the benchmark times a call."""
+        host = eager_time_us(fn, dev).host_us
+        return median(timer.time_interleaved_us([(fn, host, MIN_BUSY_US)], args.runs)[0])
+
     tiny = torch.zeros(1, device=dev)
-    empty = lambda: tiny.add_(1)  # noqa: E731
-    empty_us = median(timer.time_interleaved_us(
-        [(empty, eager_time_us(empty, dev).host_us, MIN_BUSY_US)], args.runs)[0])
+    empty_us = time_us(lambda: tiny.add_(1))
     print(f"an almost empty kernel: {empty_us:.1f} us (the floor's fixed part: "
           f"{FLOOR_FIXED_US:g} us)", flush=True)
     rows, ratios = [], []
@@ -65,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         half = case.min_bytes // 2
         src = torch.randint(0, 255, (half,), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        fn = lambda src=src, dst=dst: dst.copy_(src)  # noqa: E731
-        host = eager_time_us(fn, dev).host_us
-        us = median(timer.time_interleaved_us([(fn, host, MIN_BUSY_US)], args.runs)[0])
+        us = time_us(lambda: dst.copy_(src))
         floor = case.floor_us
         tbs = case.min_bytes / max(us - FLOOR_FIXED_US, 1e-3) / 1e6
         ratios.append(us / floor)
