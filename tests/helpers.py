@@ -458,7 +458,7 @@ SPLIT_K_CONFIGS = [
     (1000, 512, 32768, 128, 128, 4),   # a dgrad shape: thin N, long K, one wave of tiles
     (192, 7168, 16384, 128, 128, 2),   # M between 128 and 256
     (37, 576, 320, 128, 128, 2),       # 3 k-blocks in parts of 1 and 2, K and M tails
-    (300, 1088, 640, 256, 136, 3),     # BLOCK_M 256 (two waves), 136 wide, 5 k-blocks in 3
+    (300, 1088, 640, 128, 136, 3),     # 136 wide (tiles straddling B scale blocks), 5 k-blocks in 3
     (130, 576, 16384, 64, 160, 8),     # BLOCK_M 64, 160 wide, 8 parts
 ]
 

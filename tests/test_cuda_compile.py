@@ -146,10 +146,15 @@ def test_config_properties(m, n, k, facts):
     low_bit = cfg.block_n & -cfg.block_n
     assert cfg.block_n <= 128 + min(low_bit, 128)
     assert cfg.num_threads == (256 if cfg.block_m == 64 else 384)
-    assert cfg.two_accum == g.use_two_accum(cfg.block_m, cfg.block_n, k)
+    assert cfg.two_accum == (g.use_two_accum(cfg.block_m, cfg.block_n, k) and cfg.splits == 1)
+    # Split-K: tiles of at most SPLIT_MAX_BLOCK_M rows, no cluster, a CTA per part up to a wave.
+    if cfg.splits > 1:
+        items = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n) * cfg.splits
+        assert cfg.block_m <= g.SPLIT_MAX_BLOCK_M and cfg.num_multicast == 1
+        assert cfg.splits <= ceil_div(k, g.BLOCK_K) and cfg.grid == min(facts.num_sms, items)
     # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
+    assert 1 <= cfg.grid <= min(facts.num_sms, tiles * cfg.splits)
     if cfg.num_multicast == 2:
         shared = ceil_div(n, cfg.block_n) if cfg.multicast_on_a else ceil_div(m, cfg.block_m)
         assert shared % 2 == 0 and tiles % 2 == 0 and cfg.grid % 2 == 0
@@ -163,6 +168,8 @@ def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
     """The documented objective: least modelled time (waves x per-tile cost); among equals fewer
     tiles, two math warpgroups, then the fullest last wave."""
     cfg = g.DENSE.select_config(problem(m, n, k), H200)
+    if cfg.splits > 1:
+        return  # test_split_k_is_taken_where_the_model_halves_the_time
     cands = g.candidate_tiles(m, n, k, H200)
     chosen = next(c for c in cands if (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n))
     assert chosen.waves == ceil_div(chosen.tiles, H200.num_sms)
@@ -493,8 +500,8 @@ def test_split_per_tile_matches_the_kernel(bn, tmp_path, monkeypatch):
     assert g.split_per_tile(bn) == (bn in (96, 160, 192))
 
 
-# Split-K (not offered by the heuristic yet): the configs the GPU test `test_split_k_configs` runs,
-# and their float32 partial-sum stores in the SASS.
+# Split-K: the configs the GPU test `test_split_k_configs` runs, with their in-kernel sum of the
+# parts in the SASS: float4 part stores, the tile's counter, and the bf16 TMA store.
 @pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)
 def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkeypatch):
     compiler_or_skip()
@@ -507,16 +514,39 @@ def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkey
     path = tmp_path / "split.cubin"
     path.write_bytes(compiled.cubin)
     sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
-    assert "STG.E.64" in sass and "UTMASTG" not in sass, f"{cfg}: no float32 part stores"
+    for op in ("STG.E.128", "ATOMG.E.ADD", "UTMASTG"):
+        assert op in sass, f"{cfg}: no {op}"
+
+
+@pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD + [(1000, 512, 32768), (1000, 1536, 24576),
+                                                    (192, 7168, 16384), (256, 7168, 2048)])
+def test_split_k_is_taken_where_the_model_halves_the_time(m, n, k):
+    """Split-K is chosen exactly where the cheapest split's modelled time is at most
+    SPLIT_MIN_GAIN of the cheapest whole tiles', and is then that split; of the shapes the H200
+    timed, only 1000x512x32768 (4 parts of 128x128 ran 1.16x faster than 128x32 whole tiles)."""
+    cfg = g.DENSE.select_config(problem(m, n, k), H200)
+    whole = min(g.candidate_tiles(m, n, k, H200), key=g._rank)
+    split = min(g.split_candidates(m, n, k, H200), key=g._rank, default=None)
+    taken = split is not None and split.cost <= g.SPLIT_MIN_GAIN * whole.cost
+    assert (cfg.splits > 1) == taken
+    if taken:
+        assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.grid) == (
+            split.block_m, split.block_n, split.splits, min(H200.num_sms, split.tiles))
+        assert not cfg.two_accum and cfg.num_stages == split.num_stages
+    assert (cfg.splits > 1) == ((m, n, k) == (1000, 512, 32768))
+    if (m, n, k) == (1000, 512, 32768):
+        assert (cfg.block_m, cfg.block_n, cfg.splits) == (128, 128, 4)
 
 
 def test_split_k_refusals():
-    """A split plan needs a dense problem, no multicast, one accumulator, a k-block a part."""
+    """A split plan needs a dense problem, tiles of at most 128 rows, no multicast, one
+    accumulator, a k-block a part."""
     ok = g.Sm90Config(128, 128, 4, 1, False, g.BAND_SIZE, 132, False, 2)
     assert "splits=2" in str(ok)
     for cfg, prob in [(ok, problem(256, 512, 128)),  # one k-block for two parts
                       (g.Sm90Config(128, 128, 4, 2, False, 2, 132, False, 2), problem(512, 512, 1024)),
-                      (g.Sm90Config(128, 128, 4, 1, False, 2, 132, True, 2), problem(512, 512, 1024))]:
+                      (g.Sm90Config(128, 128, 4, 1, False, 2, 132, True, 2), problem(512, 512, 1024)),
+                      (g.Sm90Config(256, 128, 3, 1, False, 2, 132, False, 2), problem(512, 512, 1024))]:
         with pytest.raises(ValueError, match="split-K needs"):
             g.Sm90Plan(prob, 0, cfg)
 

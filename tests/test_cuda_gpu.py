@@ -455,3 +455,55 @@ def test_c_with_cuda_graph(gpu_device):
     graph.replay()
     torch.cuda.synchronize()
     assert _close_to(out, reference(a, sa, b, sb) + bias.double()) <= 1
+
+
+def test_split_k_pick_through_ops_layer(gpu_device):
+    """The heuristic's split-K pick (1000x512x32768: 4 parts of 128x128) through the public op:
+    cold and warm calls (the fast path's packs name the stream's workspace), a bias, a second
+    stream running concurrently with the first, and two CUDA graphs captured on one stream and
+    replayed on two streams at once all give the first call's bits."""
+    import fp8gemm
+    from fp8gemm.backends.cuda import family_for
+    from fp8gemm.backends.family import DeviceFacts
+
+    m, n, k = 1000, 512, 32768
+    cfg = family_for(dense_problem(m, n, k), DeviceFacts.of(gpu_device)).config_for(
+        dense_problem(m, n, k), gpu_device)
+    if cfg.splits == 1:
+        pytest.skip(f"this device's model takes no split here: {cfg}")
+    a, sa, b, sb = make_operands(m, n, k, gpu_device)
+    bias = torch.randn(n, device=gpu_device)
+
+    def call(out=None):
+        return fp8gemm.fp8_gemm_nt((a, sa), (b, sb), out=out, c=bias.expand(m, n),
+                                   backend="cuda")
+
+    first = call()
+    torch.cuda.synchronize()
+    assert calc_diff(first, reference(a, sa, b, sb) + bias.double()) < TOL_BF16
+    for _ in range(3):  # warm calls
+        assert torch.equal(call().view(torch.int16), first.view(torch.int16))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs = [torch.full_like(first, float("nan")) for _ in range(4)]
+    for i, out in enumerate(outs):  # both streams busy with split launches at once
+        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+            call(out)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+    graphs, graphed = [], [torch.full_like(first, float("nan")) for _ in range(2)]
+    for out in graphed:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call(out)
+        graphs.append(g)
+    side.wait_stream(torch.cuda.current_stream())
+    for g, stream in zip(graphs, (torch.cuda.current_stream(), side)):
+        with torch.cuda.stream(stream):
+            g.replay()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for out in graphed:
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16))

@@ -11,7 +11,8 @@ from ... import jit
 from ..._settings import settings
 from ...layout import TMA_ALIGN_BYTES, get_col_major_tma_aligned_tensor
 
-__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch", "cached_plan"]
+__all__ = ["row_stride", "tma_aligned", "kernel_a_scales", "launch", "cached_plan",
+           "split_workspace"]
 
 P = TypeVar("P")
 # Plans a family keeps (each holds a loaded kernel and its argument packs); a full cache starts
@@ -60,6 +61,35 @@ def launch(kernel: jit.Kernel, config: jit.LaunchConfig, device_index: int,
             kernel.launch(config, stream, pack)
     else:
         kernel.launch(config, stream, pack)
+
+
+# Split-K workspaces, per (device, raw stream): (float32 parts, int32 counters). The counters start
+# at zero and every launch leaves them zero, so one pair serves every launch on its stream (a
+# stream's launches run in order; a dependent launch touches them only after its grid-dependency
+# wait, once the kernel before has finished).
+_split_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device_index: int, floats: int, flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parts, flags) for a launch on the current stream of device `device_index`: at least
+    `floats` float32 parts and `flags` int32 counters, the counters zero.
+    NOTE: under CUDA-graph capture nothing runs, so a cached pair's zeros could not be vouched
+    for in the graph's replays, and graphs captured on one stream may replay on several: a
+    capture takes a new pair from the graph's pool, its zero fill recorded before the kernel."""
+    device = torch.device("cuda", device_index)
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty(floats, dtype=torch.float32, device=device),
+                torch.zeros(flags, dtype=torch.int32, device=device))
+    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    bufs = _split_buffers.get(key)
+    if bufs is None or bufs[0].numel() < floats or bufs[1].numel() < flags:
+        if len(_split_buffers) >= 64:
+            _split_buffers.clear()  # (stream-ordered frees: launches queued on them finish first)
+        old = (0, 0) if bufs is None else (bufs[0].numel(), bufs[1].numel())
+        bufs = _split_buffers[key] = (
+            torch.empty(max(floats, old[0]), dtype=torch.float32, device=device),
+            torch.zeros(max(flags, old[1]), dtype=torch.int32, device=device))
+    return bufs
 
 
 def cached_plan(plans: dict, key: tuple, build: Callable[[], P], family: str, problem,

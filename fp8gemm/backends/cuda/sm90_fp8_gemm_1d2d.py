@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +22,8 @@ from ..._settings import settings
 from ...layout import is_col_major_tma_aligned, num_sms_override
 from ...problem import SCALE_BLOCK, GemmKind, GemmProblem, Recipe, align, ceil_div
 from ..family import DeviceFacts, KernelFamily
-from .launch import cached_plan, kernel_a_scales, launch, row_stride, tma_aligned
+from .launch import (cached_plan, kernel_a_scales, launch, row_stride, split_workspace,
+                     tma_aligned)
 
 __all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
            "smem_bytes", "smem_limit", "sa_pad", "sa_box", "max_stages", "num_threads",
@@ -110,6 +111,19 @@ MULTICAST_MIN_M = 512
 # spills, and near K = 4M no tile fits shared memory. 131072 is the largest K checked to compile
 # without spills for the widest tiles (tests/test_cuda_compile.py); larger K goes to another backend.
 MAX_K = 131072
+# Split-K (dense): a tile's k-blocks in `splits` parts, each a work item, the last part to finish
+# summing the others' FP32 slots from L2 (the kernel's split_fixup). 256-row tiles (two waves of
+# sums a thread) spilled with the fix-up beside the C read, so parts are 64 or 128 rows.
+# The model: the items' waves of the part's k-blocks at the one-accumulator tile cost, plus per
+# wave the critical fix-up (a slot stored, the other splits - 1 read) at LOAD_WEIGHT a byte.
+# SPLIT_MIN_GAIN: taken only where that is at most this fraction of the best whole-tile time.
+# Fitted to the one split the H200 has timed against the whole-tile pick: 1000x512x32768, 4
+# parts of 128x128 (parts then summed by the host) 43.8 us against 50.8 for 128x32 tiles, where
+# the model says 0.46; splits of tiles that already filled a wave lost (1000x1536x24576,
+# 192x7168x16384, 256x7168x2048: modelled 0.92-1.5).
+SPLIT_MAX_BLOCK_M = 128
+SPLIT_CHOICES = (2, 3, 4, 6, 8)
+SPLIT_MIN_GAIN = 0.5
 
 
 def use_two_accum(block_m: int, block_n: int, k: int) -> bool:
@@ -196,7 +210,7 @@ class Sm90Config:
     grid: int  # persistent CTAs
     two_accum: bool = False  # two wgmma accumulators in flight (BLOCK_M <= 128, BLOCK_N <= 128)
     # split-K (dense, one CTA per cluster, one accumulator): each tile's K range in `splits`
-    # parts, FP32 partial sums through a workspace that the host adds up in a fixed order
+    # parts, their FP32 sums added in the kernel, in a fixed order, by the last part to finish
     splits: int = 1
     # CTAs resident on an SM: 2 (BLOCK_M = 64, no cluster) gives each half the registers and
     # shared memory (smem_limit), so that two math warpgroups of different tiles feed the tensor
@@ -261,6 +275,7 @@ class Candidate:
     waves: int
     last_wave: int  # tiles in the last wave
     cost: float  # modelled time: waves * tile_cost (max of MMA and loads per unit of K)
+    splits: int = 1  # split-K parts a tile (split_candidates; `tiles` then counts the parts)
 
 
 def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
@@ -313,12 +328,36 @@ def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
                       two_accum=use_two_accum(best.block_m, best.block_n, k))
 
 
+def split_candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
+    """Split-K configs with their modelled cost (per unit of K, as candidate_tiles'); `tiles`
+    counts the work items (tiles x splits)."""
+    num_kb = ceil_div(k, BLOCK_K)
+    out = []
+    for c in candidate_tiles(m, n, k, facts):
+        if c.block_m > SPLIT_MAX_BLOCK_M:
+            continue
+        for splits in SPLIT_CHOICES:
+            if splits > num_kb:
+                break
+            items = c.tiles * splits
+            waves = ceil_div(items, facts.num_sms)
+            mainloop = tile_cost(c.block_m, c.block_n) * ceil_div(num_kb, splits) / num_kb
+            fixup = LOAD_WEIGHT * 4 * c.block_m * c.block_n * splits / (num_kb * BLOCK_K)
+            out.append(Candidate(c.block_m, c.block_n, c.num_stages, items, waves,
+                                 items - (waves - 1) * facts.num_sms,
+                                 round(waves * (mainloop + fixup), 6), splits))
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     cands = candidate_tiles(m, n, k, facts)
     if not cands:
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     best = min(cands, key=_rank)
+    split = min(split_candidates(m, n, k, facts), key=_rank, default=None)
+    if split is not None and split.cost <= SPLIT_MIN_GAIN * best.cost:
+        return replace(_config(split, k, facts), two_accum=False, splits=split.splits)
     num_m_blocks, num_n_blocks = ceil_div(m, best.block_m), ceil_div(n, best.block_n)
     # NOTE: a 2-CTA cluster shares one operand's tile; both CTAs must run the same tiles in step,
     # so the shared side needs an even block count (pairs of tiles never straddle a band) and the
@@ -389,7 +428,7 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
     b = {True: "true", False: "false"}
     name = (f"&fp8gemm::sm90_fp8_gemm_1d2d_kernel<{_KIND[kind]}, {n}, {k}, {cfg.block_m}, "
             f"{cfg.block_n}, {cfg.num_stages}, {cfg.num_multicast}, {b[cfg.multicast_on_a]}, "
-            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c and cfg.splits == 1]}, "
+            f"{cfg.band_size}, {b[cfg.two_accum]}, {b[has_c]}, "
             f"{b[a_e5m2]}, {cfg.splits}, {cfg.ctas_per_sm}>")
     return source, name
 
@@ -407,7 +446,8 @@ class Sm90Plan:
     argument packs of the tensors it has seen (tensor maps encoded once per pointer set)."""
 
     __slots__ = ("cfg", "kind", "has_c", "kernel", "launch", "device_index", "m", "n", "k",
-                 "groups", "num_kb", "packs", "tmaps", "sm_override", "workspaces")
+                 "groups", "num_kb", "packs", "tmaps", "sm_override", "split_floats",
+                 "split_tiles")
 
     def __init__(self, problem: GemmProblem, device_index: int, cfg: Sm90Config) -> None:
         # The set_num_sms value the config was chosen under (warm launches compare it).
@@ -431,17 +471,21 @@ class Sm90Plan:
                     raise ValueError(f"config {cfg}: multicast needs a dense or contiguous "
                                      f"problem and, dense, an even block count on the shared "
                                      f"side")
-        if cfg.splits > 1 and (problem.kind is not GemmKind.DENSE or cfg.num_multicast != 1
-                               or cfg.two_accum or not cfg.splits <= self.num_kb):
-            raise ValueError(f"config {cfg}: split-K needs a dense problem, no multicast, one "
-                             f"accumulator and at least one of the {self.num_kb} k-blocks a part")
+        if cfg.splits > 1 and (problem.kind is not GemmKind.DENSE or cfg.block_m > SPLIT_MAX_BLOCK_M
+                               or cfg.num_multicast != 1 or cfg.two_accum
+                               or not cfg.splits <= self.num_kb):
+            raise ValueError(f"config {cfg}: split-K needs a dense problem, tiles of at most "
+                             f"{SPLIT_MAX_BLOCK_M} rows, no multicast, one accumulator and at "
+                             f"least one of the {self.num_kb} k-blocks a part")
         if cfg.ctas_per_sm not in (1, 2) or (cfg.ctas_per_sm == 2 and (
                 cfg.block_m != 64 or cfg.num_multicast != 1 or cfg.smem(problem.k, problem.kind)
                 > smem_limit(DeviceFacts.of(torch.device("cuda", device_index)), 2))):
             raise ValueError(f"config {cfg}: two CTAs an SM need 64-row tiles, no multicast and "
                              f"half the SM's shared memory at most; one or two CTAs an SM only")
-        # split-K: a float32 [splits, M, N] workspace per stream (a stream's calls run in order)
-        self.workspaces: dict[int, torch.Tensor] = {}
+        # split-K: each tile's parts in float32 slots, a counter per tile (split_workspace)
+        self.split_tiles = (problem.groups * ceil_div(problem.m, cfg.block_m)
+                            * ceil_div(problem.n, cfg.block_n)) if cfg.splits > 1 else 0
+        self.split_floats = self.split_tiles * cfg.splits * cfg.block_m * cfg.block_n
         smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
                                                problem.has_c,
@@ -461,7 +505,8 @@ class Sm90Plan:
 
     def params(self, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                out: torch.Tensor, index: torch.Tensor | None, key: tuple,
-               c: torch.Tensor | None = None) -> jit.ParamPack:
+               c: torch.Tensor | None = None,
+               split: tuple[torch.Tensor, torch.Tensor] | None = None) -> jit.ParamPack:
         cfg, m, n, k, kb = self.cfg, self.m, self.n, self.k, self.num_kb
         tm = self.tmaps
         masked = self.kind is GemmKind.MASKED
@@ -499,6 +544,8 @@ class Sm90Plan:
                               ctypes.c_uint32(self.groups), ctypes.c_uint64(out.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),
                               ctypes.c_uint64(0 if c is None else c.stride(0)),
+                              ctypes.c_uint64(0 if split is None else split[0].data_ptr()),
+                              ctypes.c_uint64(0 if split is None else split[1].data_ptr()),
                               map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d,
                               map_a_tail])
         if len(self.packs) >= 1024:
@@ -515,9 +562,6 @@ class Sm90Plan:
         sa = kernel_a_scales(sa)
         if not sb.is_contiguous():
             sb = sb.contiguous()
-        if self.cfg.splits > 1:
-            self._run_split(a, sa, b, sb, out, c)
-            return
         dst = out
         if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
             # A contiguous view at an odd storage offset: TMA cannot address it (slow path).
@@ -529,37 +573,17 @@ class Sm90Plan:
         # sa's strides are all the descriptors depend on (one-row strides: see row_stride).
         key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), dst.data_ptr(),
                0 if index is None else index.data_ptr(), _c_key(c))
+        split = None
+        if self.split_tiles:
+            # (the stream's workspace is part of the key, here and in _Launcher.run)
+            split = split_workspace(self.device_index, self.split_floats, self.split_tiles)
+            key += (split[0].data_ptr(), split[1].data_ptr())
         pack = self.packs.get(key)
         if pack is None:
-            pack = self.params(a, sa, b, sb, dst, index, key, c)
+            pack = self.params(a, sa, b, sb, dst, index, key, c, split)
         launch(self.kernel, self.launch, self.device_index, pack)
         if dst is not out:
             out.copy_(dst)
-
-
-    def _run_split(self, a, sa, b, sb, out, c) -> None:
-        """Split-K: the kernel writes each part's FP32 sums to the stream's workspace, then they
-        are added in a fixed order (the same bits on every run), C added, rounded once to out."""
-        a, b = tma_aligned(a), tma_aligned(b)
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        ws = self.workspaces.get(stream)
-        if ws is None:
-            if len(self.workspaces) > 16:
-                self.workspaces.clear()
-            ws = self.workspaces[stream] = torch.empty(
-                (self.cfg.splits, self.m, self.n), dtype=torch.float32, device=a.device)
-        # NOTE: a key the ops layer's warm path never builds (its hit would skip the sums below).
-        key = ("split", a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), ws.data_ptr())
-        pack = self.packs.get(key)
-        if pack is None:
-            # (the output maps, which the split kernel never uses, are built over the
-            # workspace's bytes as bf16: a float32 box of 64 columns exceeds the swizzle span)
-            pack = self.params(a, sa, b, sb, ws.view(torch.bfloat16), None, key)
-        launch(self.kernel, self.launch, self.device_index, pack)
-        total = ws.sum(0)
-        if c is not None:
-            total += c
-        out.copy_(total)
 
 
 def _c_key(c: torch.Tensor | None) -> tuple | None:
@@ -710,8 +734,11 @@ class _Launcher:
             last = (0, (index.data_ptr(), index.stride(0)))
         else:
             last = (index.data_ptr(), None)
-        pack = plan.packs.get((a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(),
-                               out.data_ptr()) + last)
+        key = (a.data_ptr(), sa.data_ptr(), b.data_ptr(), sb.data_ptr(), out.data_ptr()) + last
+        if plan.split_tiles:
+            split = split_workspace(self.device_index, plan.split_floats, plan.split_tiles)
+            key += (split[0].data_ptr(), split[1].data_ptr())
+        pack = plan.packs.get(key)
         if pack is not None and plan.sm_override == num_sms_override():
             launch(plan.kernel, plan.launch, self.device_index, pack)
         else:

@@ -8,8 +8,10 @@
 //   kHasC (dense only): C float32 [M, N], unit column stride, row stride c_stride elements (0: one
 //     row for every row, a bias), added to the FP32 sums before the bf16 rounding.
 //   kNumSplits > 1 (dense only, split-K): each tile's k-blocks are cut in kNumSplits ranges, each a
-//     work item of its own, whose FP32 sums go to `out` as a float32 workspace [kNumSplits, M, N]
-//     (plain stores, no atomics); the host adds the parts in a fixed order (and C) and rounds.
+//     work item of its own (a tile's parts are consecutive items: neighbouring CTAs of one wave).
+//     Each part's FP32 sums go to split_ws (kNumSplits slots of BLOCK_M x BLOCK_N floats per
+//     tile), counted by split_flags (one word per tile, zero before the launch and left zero);
+//     the part that finds the others stored sums them in a fixed order and runs the epilogue.
 //   kCtasPerSm = 2 (BLOCK_M = 64, no cluster): two CTAs share an SM, each in half its registers
 //     and shared memory, so that two math warpgroups of different tiles feed its tensor cores.
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
@@ -138,6 +140,7 @@ __global__ void __launch_bounds__(sm90_num_math_threads<BLOCK_M>() + 128, kCtasP
 sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
                           uint8_t* __restrict__ out, const float* __restrict__ c, uint64_t c_stride,
+                          float* __restrict__ split_ws, uint32_t* __restrict__ split_flags,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
@@ -214,9 +217,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                 "two CTAs an SM: one math warpgroup each, no cluster, half the SM's 228 KB less "
                 "the 1 KB reserved and the 1 KB static per block (smem_limit)");
   static_assert(kNumSplits == 1 || (kKind == kKindDense && kNumTMAMulticast == 1 && !kTwoAccum &&
-                                    !kHasC && kNumSplits <= kNumKBlocks),
-                "split-K: dense, one CTA per cluster, one accumulator, C added by the host, and a "
-                "k-block per split at least");
+                                    kNumSplits <= kNumKBlocks),
+                "split-K: dense, one CTA per cluster, one accumulator, and a k-block per part at "
+                "least");
 
   // Guard against a host whose idea of the shared-memory size disagrees with this layout.
   uint32_t dyn_smem;
@@ -442,21 +445,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       if constexpr (kPairs) {
         if (t.halves == 0) return;  // an empty tile stores nothing
       }
-      if constexpr (kNumSplits > 1) {
-        // Split-K: this part's FP32 sums to its slice of the workspace, two columns a store.
-        // The barrier stands for the one the bf16 epilogue opens with: no math thread rewrites smem_sb for the next tile while another still
-        // reads this tile's scales.
-        named_barrier_sync(1, kNumMathThreads);
-        float* part = reinterpret_cast<float*>(out) +
-                      static_cast<uint64_t>(t.split) * shape_m * SHAPE_N;
-        for_each_sum_pair<kNumWaves, WAVE_M, BLOCK_N, SHAPE_N>(
-            static_cast<uint32_t>(t.m0), t.n_block * BLOCK_N + col_in_group, r0, shape_m,
-            [&](uint32_t w, uint32_t i, uint32_t row, uint32_t col) {
-              st_global_v2_f32(part + static_cast<uint64_t>(row) * SHAPE_N + col, final_acc[w][i],
-                               final_acc[w][i + 1]);
-            });
-        return;
-      }
       // The previous tile's store must have finished reading smem_d before it is overwritten.
       if constexpr (kHasC) {
         // NOTE: C is read before the barrier below, so its global-memory latency overlaps the
@@ -527,6 +515,70 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                        static_cast<int32_t>(n0 + kNumDChunks * 64), m0);
         tma_store_commit();
       }
+    };
+
+    // --- split-K: a tile's parts summed by the last to finish ------------------------------------
+    // A part's FP32 sums go to its slot, each thread's registers as consecutive float4s (a warp's
+    // stores: 512 contiguous bytes); the tile's flag counts the parts stored. The part that finds
+    // every other one stored holds the tile's sums afterwards and returns true: with two parts it
+    // adds the other's to its own in registers (a + b == b + a: the same bits whichever finished
+    // last) and need not store its own if the other was there first; with more, every part is
+    // stored and they are added in k order. No CTA waits for another.
+    // NOTE: the barriers here also stand for the one the epilogue opens with: no math thread
+    // rewrites smem_sb for the next tile while another still reads this tile's scales.
+    constexpr uint32_t kQuads = kNumWaves * kNumAccum / 4;
+    auto split_fixup = [&](const Tile& t) -> bool {
+      const uint32_t tile_id = static_cast<uint32_t>(t.m0) / BLOCK_M * kNumNBlocks + t.n_block;
+      uint32_t* flag = split_flags + tile_id;
+      float* slots = split_ws + static_cast<uint64_t>(tile_id) * kNumSplits * (BLOCK_M * BLOCK_N) +
+                     threadIdx.x * 4;
+      auto quad = [&](uint32_t q) -> float* {
+        return &final_acc[q / (kNumAccum / 4)][(q % (kNumAccum / 4)) * 4];
+      };
+      bool others_done = false;
+      if constexpr (kNumSplits == 2) {
+        const uint32_t stored = threadIdx.x == 0 ? ld_acquire_gpu(flag) : 0;
+        others_done = named_barrier_or(1, kNumMathThreads, stored == 1);
+      }
+      if (!others_done) {
+        float* mine = slots + t.split * (BLOCK_M * BLOCK_N);
+#pragma unroll
+        for (uint32_t q = 0; q < kQuads; ++q) {
+          const float* v = quad(q);
+          st_global_v4_f32(mine + q * (4 * kNumMathThreads), v[0], v[1], v[2], v[3]);
+        }
+        // (every thread's stores fenced before the count says they are there)
+        __threadfence();
+        named_barrier_sync(1, kNumMathThreads);
+        const uint32_t before = threadIdx.x == 0 ? atom_add_acq_rel_gpu(flag, 1) : 0;
+        if (!named_barrier_or(1, kNumMathThreads, threadIdx.x == 0 && before + 1 == kNumSplits))
+          return false;
+      }
+      if (threadIdx.x == 0) st_relaxed_gpu(flag, 0);  // every other part has counted itself
+      __threadfence();
+      // Two parts: the other's added to this one's sums. More: every part added in k order.
+      auto add_part = [&](uint32_t part, bool first) {
+        const float* src = slots + part * (BLOCK_M * BLOCK_N);
+#pragma unroll
+        for (uint32_t q = 0; q < kQuads; ++q) {
+          const F32x4 v = ld_global_cg_v4_f32(src + q * (4 * kNumMathThreads));
+          float* d = quad(q);
+          if (first) {
+            d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+          } else {
+            d[0] += v.x, d[1] += v.y, d[2] += v.z, d[3] += v.w;
+          }
+        }
+      };
+      if constexpr (kNumSplits == 2) {
+        add_part(1 - t.split, false);
+      } else {
+        add_part(0, true);
+        // (one part at a time: loads hoisted across parts spill the sums)
+#pragma unroll 1
+        for (uint32_t part = 1; part < kNumSplits; ++part) add_part(part, false);
+      }
+      return true;
     };
 
     bool has_tile = scheduler.next(tile);
@@ -693,7 +745,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           kloop(Split<kAnySplit>{});
       }
 
-      if constexpr (!kTwoAccum) epilogue(tile);
+      if constexpr (kNumSplits > 1) {
+        if (split_fixup(tile)) epilogue(tile);
+      } else if constexpr (!kTwoAccum) {
+        epilogue(tile);
+      }
       tile = next_tile, has_tile = has_next;
     }
     if (has_prev) epilogue(prev_tile);
