@@ -502,7 +502,9 @@ def test_split_per_tile_matches_the_kernel(bn, tmp_path, monkeypatch):
 
 # Split-K: the configs the GPU test `test_split_k_configs` runs, with their in-kernel sum of the
 # parts in the SASS: float4 part stores, the tile's counter, and the bf16 TMA store.
-@pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS)
+@pytest.mark.parametrize("m,n,k,bm,bn,splits", SPLIT_K_CONFIGS + [
+    (1000, 512, 131072, 128, 192, 8),  # the widest split tile at MAX_K
+    (1000, 1536, 24576, 128, 144, 5)])
 def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkeypatch):
     compiler_or_skip()
     tool = _cuobjdump()
