@@ -540,6 +540,15 @@ def test_split_k_is_taken_where_the_model_halves_the_time(m, n, k):
         assert (cfg.block_m, cfg.block_n, cfg.splits) == (128, 128, 4)
 
 
+def test_split_from_needs_split_k_and_a_tile_below_the_last():
+    base = g.Sm90Config(128, 128, 4, 1, False, g.BAND_SIZE, 132, False, 2)
+    prob = problem(1000, 7168, 4096)  # 8 x 56 = 448 tiles
+    for cfg in (replace(base, splits=1, split_from=132), replace(base, split_from=448),
+                replace(base, split_from=-1)):
+        with pytest.raises(ValueError, match="split_from"):
+            g.Sm90Plan(prob, 0, cfg)
+
+
 def test_split_k_refusals():
     """A split plan needs a dense problem, tiles of at most 128 rows, no multicast, one
     accumulator, a k-block a part."""

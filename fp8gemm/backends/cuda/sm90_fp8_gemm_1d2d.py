@@ -216,6 +216,9 @@ class Sm90Config:
     # shared memory (smem_limit), so that two math warpgroups of different tiles feed the tensor
     # cores where one 64-row tile's warpgroup leaves them idle while it promotes
     ctas_per_sm: int = 1
+    # split-K: the tiles before this one (in the scheduler's order) run whole, first; (waves - 1)
+    # x grid splits only the last wave's tiles
+    split_from: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -235,6 +238,7 @@ class Sm90Config:
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
                 + (" accum=2" if self.two_accum else "")
                 + (f" splits={self.splits}" if self.splits > 1 else "")
+                + (f" split_from={self.split_from}" if self.split_from else "")
                 + (f" ctas/SM={self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
 
 
@@ -275,7 +279,8 @@ class Candidate:
     waves: int
     last_wave: int  # tiles in the last wave
     cost: float  # modelled time: waves * tile_cost (max of MMA and loads per unit of K)
-    splits: int = 1  # split-K parts a tile (split_candidates; `tiles` then counts the parts)
+    splits: int = 1  # split-K parts a tile (split_candidates; `tiles` then counts the items)
+    split_from: int = 0  # split-K: the tiles before this one whole
 
 
 def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
@@ -329,23 +334,28 @@ def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
 
 
 def split_candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
-    """Split-K configs with their modelled cost (per unit of K, as candidate_tiles'); `tiles`
-    counts the work items (tiles x splits)."""
+    """Split-K configs with their modelled cost (per unit of K, as candidate_tiles'), `tiles`
+    counting the work items: every tile in parts, and where the tiles take more than one wave,
+    only the last wave's (the full waves' tiles whole, first)."""
     num_kb = ceil_div(k, BLOCK_K)
     out = []
     for c in candidate_tiles(m, n, k, facts):
         if c.block_m > SPLIT_MAX_BLOCK_M:
             continue
-        for splits in SPLIT_CHOICES:
-            if splits > num_kb:
-                break
-            items = c.tiles * splits
-            waves = ceil_div(items, facts.num_sms)
-            mainloop = tile_cost(c.block_m, c.block_n) * ceil_div(num_kb, splits) / num_kb
-            fixup = LOAD_WEIGHT * 4 * c.block_m * c.block_n * splits / (num_kb * BLOCK_K)
-            out.append(Candidate(c.block_m, c.block_n, c.num_stages, items, waves,
-                                 items - (waves - 1) * facts.num_sms,
-                                 round(waves * (mainloop + fixup), 6), splits))
+        cost = tile_cost(c.block_m, c.block_n)  # (one accumulator)
+        fixup = LOAD_WEIGHT * 4 * c.block_m * c.block_n / (num_kb * BLOCK_K)
+        for split_from in {0, (c.waves - 1) * facts.num_sms}:
+            for splits in SPLIT_CHOICES:
+                if splits > num_kb:
+                    break
+                items = split_from + (c.tiles - split_from) * splits
+                part_waves = ceil_div(items - split_from, facts.num_sms)
+                waves = split_from // facts.num_sms + part_waves
+                time = (waves - part_waves) * cost + part_waves * (
+                    cost * ceil_div(num_kb, splits) / num_kb + fixup * splits)
+                out.append(Candidate(c.block_m, c.block_n, c.num_stages, items, waves,
+                                     items - (waves - 1) * facts.num_sms, round(time, 6), splits,
+                                     split_from))
     return out
 
 
@@ -357,7 +367,8 @@ def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     best = min(cands, key=_rank)
     split = min(split_candidates(m, n, k, facts), key=_rank, default=None)
     if split is not None and split.cost <= SPLIT_MIN_GAIN * best.cost:
-        return replace(_config(split, k, facts), two_accum=False, splits=split.splits)
+        return replace(_config(split, k, facts), two_accum=False, splits=split.splits,
+                       split_from=split.split_from)
     num_m_blocks, num_n_blocks = ceil_div(m, best.block_m), ceil_div(n, best.block_n)
     # NOTE: a 2-CTA cluster shares one operand's tile; both CTAs must run the same tiles in step,
     # so the shared side needs an even block count (pairs of tiles never straddle a band) and the
@@ -482,9 +493,13 @@ class Sm90Plan:
                 > smem_limit(DeviceFacts.of(torch.device("cuda", device_index)), 2))):
             raise ValueError(f"config {cfg}: two CTAs an SM need 64-row tiles, no multicast and "
                              f"half the SM's shared memory at most; one or two CTAs an SM only")
-        # split-K: each tile's parts in float32 slots, a counter per tile (split_workspace)
-        self.split_tiles = (problem.groups * ceil_div(problem.m, cfg.block_m)
-                            * ceil_div(problem.n, cfg.block_n)) if cfg.splits > 1 else 0
+        # split-K: each split tile's parts in float32 slots, a counter per split tile
+        # (split_workspace)
+        tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
+        if cfg.split_from and not (cfg.splits > 1 and 0 < cfg.split_from < tiles):
+            raise ValueError(f"config {cfg}: split_from needs split-K and a tile number below "
+                             f"the {tiles} tiles")
+        self.split_tiles = tiles - cfg.split_from if cfg.splits > 1 else 0
         self.split_floats = self.split_tiles * cfg.splits * cfg.block_m * cfg.block_n
         smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
@@ -546,6 +561,7 @@ class Sm90Plan:
                               ctypes.c_uint64(0 if c is None else c.stride(0)),
                               ctypes.c_uint64(0 if split is None else split[0].data_ptr()),
                               ctypes.c_uint64(0 if split is None else split[1].data_ptr()),
+                              ctypes.c_uint32(cfg.split_from),
                               map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d,
                               map_a_tail])
         if len(self.packs) >= 1024:
