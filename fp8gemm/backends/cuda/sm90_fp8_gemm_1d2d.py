@@ -121,7 +121,11 @@ MAX_K = 131072
 # parts of 128x128 (parts then summed by the host) 43.8 us against 50.8 for 128x32 tiles, where
 # the model says 0.46; splits of tiles that already filled a wave lost (1000x1536x24576,
 # 192x7168x16384, 256x7168x2048: modelled 0.92-1.5).
+# SPLIT_MIN_M: decode sizes are the small-M family's, which splits K over a cluster and sums in
+# distributed shared memory (fitted to 34 decode shapes); the dense split, timed at M = 1000
+# only, is offered from M = 512.
 SPLIT_MAX_BLOCK_M = 128
+SPLIT_MIN_M = 512
 SPLIT_CHOICES = (2, 3, 4, 6, 8)
 SPLIT_MIN_GAIN = 0.5
 
@@ -336,9 +340,11 @@ def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
 def split_candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
     """Split-K configs with their modelled cost (per unit of K, as candidate_tiles'), `tiles`
     counting the work items: every tile in parts, and where the tiles take more than one wave,
-    only the last wave's (the full waves' tiles whole, first)."""
+    only the last wave's (the full waves' tiles whole, first). None below SPLIT_MIN_M rows."""
     num_kb = ceil_div(k, BLOCK_K)
     out = []
+    if m < SPLIT_MIN_M:
+        return out
     for c in candidate_tiles(m, n, k, facts):
         if c.block_m > SPLIT_MAX_BLOCK_M:
             continue
