@@ -146,15 +146,10 @@ def test_config_properties(m, n, k, facts):
     low_bit = cfg.block_n & -cfg.block_n
     assert cfg.block_n <= 128 + min(low_bit, 128)
     assert cfg.num_threads == (256 if cfg.block_m == 64 else 384)
-    assert cfg.two_accum == (g.use_two_accum(cfg.block_m, cfg.block_n, k) and cfg.splits == 1)
-    # Split-K: tiles of at most SPLIT_MAX_BLOCK_M rows, no cluster, a CTA per part up to a wave.
-    if cfg.splits > 1:
-        items = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n) * cfg.splits
-        assert cfg.block_m <= g.SPLIT_MAX_BLOCK_M and cfg.num_multicast == 1
-        assert cfg.splits <= ceil_div(k, g.BLOCK_K) and cfg.grid == min(facts.num_sms, items)
+    assert cfg.two_accum == g.use_two_accum(cfg.block_m, cfg.block_n, k) and cfg.splits == 1
     # Multicast legal: pairs of tiles share the multicast operand, grid and tiles even.
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    assert 1 <= cfg.grid <= min(facts.num_sms, tiles * cfg.splits)
+    assert 1 <= cfg.grid <= min(facts.num_sms, tiles)
     if cfg.num_multicast == 2:
         shared = ceil_div(n, cfg.block_n) if cfg.multicast_on_a else ceil_div(m, cfg.block_m)
         assert shared % 2 == 0 and tiles % 2 == 0 and cfg.grid % 2 == 0
@@ -168,8 +163,6 @@ def test_config_is_the_cheapest_with_fullest_last_wave(m, n, k):
     """The documented objective: least modelled time (waves x per-tile cost); among equals fewer
     tiles, two math warpgroups, then the fullest last wave."""
     cfg = g.DENSE.select_config(problem(m, n, k), H200)
-    if cfg.splits > 1:
-        return  # test_split_k_is_taken_where_the_model_halves_the_time
     cands = g.candidate_tiles(m, n, k, H200)
     chosen = next(c for c in cands if (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n))
     assert chosen.waves == ceil_div(chosen.tiles, H200.num_sms)
@@ -521,23 +514,46 @@ def test_split_k_configs_compile_clean(m, n, k, bm, bn, splits, tmp_path, monkey
 
 
 @pytest.mark.parametrize("m,n,k", DSV3 + AWKWARD + [(1000, 512, 32768), (1000, 1536, 24576),
-                                                    (192, 7168, 16384), (256, 7168, 2048)])
-def test_split_k_is_taken_where_the_model_halves_the_time(m, n, k):
-    """Split-K is chosen exactly where the cheapest split's modelled time is at most
-    SPLIT_MIN_GAIN of the cheapest whole tiles', and is then that split; of the shapes the H200
-    timed, only 1000x512x32768 (4 parts of 128x128 ran 1.16x faster than 128x32 whole tiles)."""
-    cfg = g.DENSE.select_config(problem(m, n, k), H200)
+                                                    (1000, 2112, 7168), (4096, 512, 32768)])
+def test_split_k_family_takes_what_the_model_halves(m, n, k):
+    """The split-K family takes dense M >= SPLIT_MIN_M and declines unless its cheapest split's
+    modelled time is at most SPLIT_MIN_GAIN of the cheapest whole tiles'; its config is then that
+    split. Of these shapes only 1000x512x32768 (4 parts of 128x128, which the H200 ran 1.16x
+    faster than 128x32 whole tiles with the parts summed by the host)."""
+    p = problem(m, n, k)
+    why = g.SPLIT_K.supports(p)
+    assert (why is None) == (m >= g.SPLIT_MIN_M and g.DENSE.supports(p) is None and k > g.BLOCK_K)
+    if why is not None:
+        return
+    split = min(g.split_candidates(m, n, k, H200), key=g._rank)
     whole = min(g.candidate_tiles(m, n, k, H200), key=g._rank)
-    split = min(g.split_candidates(m, n, k, H200), key=g._rank, default=None)
-    taken = split is not None and split.cost <= g.SPLIT_MIN_GAIN * whole.cost
-    assert (cfg.splits > 1) == taken
+    taken = g.SPLIT_K.declines(p, H200) is None
+    assert taken == (split.cost <= g.SPLIT_MIN_GAIN * whole.cost)
+    assert taken == ((m, n, k) == (1000, 512, 32768))
+    cfg = g.SPLIT_K.select_config(p, H200)
+    assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.split_from, cfg.grid) == (
+        split.block_m, split.block_n, split.splits, split.split_from, min(H200.num_sms, split.tiles))
+    assert not cfg.two_accum and cfg.num_stages == split.num_stages and cfg.num_multicast == 1
+    assert cfg.block_m <= g.SPLIT_MAX_BLOCK_M and 2 <= cfg.splits <= ceil_div(k, g.BLOCK_K)
+    assert g.SPLIT_K.candidate_configs(p, H200)[0] == cfg
     if taken:
-        assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.grid) == (
-            split.block_m, split.block_n, split.splits, min(H200.num_sms, split.tiles))
-        assert not cfg.two_accum and cfg.num_stages == split.num_stages
-    assert (cfg.splits > 1) == ((m, n, k) == (1000, 512, 32768))
-    if (m, n, k) == (1000, 512, 32768):
-        assert (cfg.block_m, cfg.block_n, cfg.splits) == (128, 128, 4)
+        assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.split_from) == (128, 128, 4, 0)
+
+
+def test_split_k_family_is_on_trial_only():
+    """Built and compile-checked, not offered until its GPU tests pass: the dense family runs
+    1000x512x32768 in whole tiles."""
+    from fp8gemm.backends import cuda
+
+    assert g.SPLIT_K in cuda.TRIAL_FAMILIES and g.SPLIT_K not in cuda.FAMILIES
+    assert cuda.family_for(problem(1000, 512, 32768), H200) is g.DENSE
+
+
+def test_last_wave_split_candidates():
+    """split_from = (waves - 1) x SMs: the full waves' tiles whole, the last wave's in parts."""
+    cands = g.split_candidates(4096, 2112, 7168, H200)
+    c = next(c for c in cands if (c.block_m, c.block_n, c.splits, c.split_from) == (128, 192, 3, 264))
+    assert c.tiles == 264 + 88 * 3 and c.waves == 4
 
 
 def test_split_from_needs_split_k_and_a_tile_below_the_last():

@@ -487,53 +487,61 @@ def test_c_with_cuda_graph(gpu_device):
     assert _close_to(out, reference(a, sa, b, sb) + bias.double()) <= 1
 
 
-def test_split_k_pick_through_ops_layer(gpu_device):
-    """The heuristic's split-K pick (1000x512x32768: 4 parts of 128x128) through the public op:
+def test_split_k_pick_through_ops_layer(gpu_device, monkeypatch):
+    """The split-K family's pick (1000x512x32768: 4 parts of 128x128), with the family where it
+    goes in the backend's table once on offer (before the dense one), through the public op:
     cold and warm calls (the fast path's packs name the stream's workspace), a bias, a second
     stream running concurrently with the first, and two CUDA graphs captured on one stream and
     replayed on two streams at once all give the first call's bits."""
     import fp8gemm
-    from fp8gemm.backends.cuda import family_for
+    from fp8gemm.backends import cuda
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
     from fp8gemm.backends.family import DeviceFacts
+    from fp8gemm.ops import gemm as gemm_op
 
     m, n, k = 1000, 512, 32768
-    cfg = family_for(dense_problem(m, n, k), DeviceFacts.of(gpu_device)).config_for(
-        dense_problem(m, n, k), gpu_device)
-    if cfg.splits == 1:
-        pytest.skip(f"this device's model takes no split here: {cfg}")
-    a, sa, b, sb = make_operands(m, n, k, gpu_device)
-    bias = torch.randn(n, device=gpu_device)
+    table = list(cuda.FAMILIES)
+    table.insert(table.index(g.DENSE), g.SPLIT_K)
+    monkeypatch.setattr(cuda, "FAMILIES", tuple(table))
+    monkeypatch.setattr(gemm_op, "_plans", {})
+    cuda._family.cache_clear()
+    try:
+        problem = dense_problem(m, n, k)
+        fam = cuda.family_for(problem, DeviceFacts.of(gpu_device))
+        if fam is not g.SPLIT_K:
+            pytest.skip(f"this device's model leaves {problem} to {fam.name}")
+        a, sa, b, sb = make_operands(m, n, k, gpu_device)
+        bias = torch.randn(n, device=gpu_device)
 
-    def call(out=None):
-        return fp8gemm.fp8_gemm_nt((a, sa), (b, sb), out=out, c=bias.expand(m, n),
-                                   backend="cuda")
+        def call(out=None):
+            return fp8gemm.fp8_gemm_nt((a, sa), (b, sb), out=out, c=bias.expand(m, n),
+                                       backend="cuda")
 
-    first = call()
-    torch.cuda.synchronize()
-    assert calc_diff(first, reference(a, sa, b, sb) + bias.double()) < TOL_BF16
-    for _ in range(3):  # warm calls
-        assert torch.equal(call().view(torch.int16), first.view(torch.int16))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    outs = [torch.full_like(first, float("nan")) for _ in range(4)]
-    for i, out in enumerate(outs):  # both streams busy with split launches at once
-        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
-            call(out)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    for out in outs:
-        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
-    graphs, graphed = [], [torch.full_like(first, float("nan")) for _ in range(2)]
-    for out in graphed:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call(out)
-        graphs.append(g)
-    side.wait_stream(torch.cuda.current_stream())
-    for g, stream in zip(graphs, (torch.cuda.current_stream(), side)):
-        with torch.cuda.stream(stream):
-            g.replay()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    for out in graphed:
-        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+        first = call()
+        torch.cuda.synchronize()
+        assert calc_diff(first, reference(a, sa, b, sb) + bias.double()) < TOL_BF16
+        for _ in range(3):  # warm calls
+            assert torch.equal(call().view(torch.int16), first.view(torch.int16))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        outs = [torch.full_like(first, float("nan")) for _ in range(4)]
+        for i, out in enumerate(outs):  # both streams busy with split launches at once
+            with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+                call(out)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs, graphed = [], [torch.full_like(first, float("nan")) for _ in range(2)]
+        for out in graphed:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call(out)
+            graphs.append(graph)
+        side.wait_stream(torch.cuda.current_stream())
+        for graph, stream in zip(graphs, (torch.cuda.current_stream(), side)):
+            with torch.cuda.stream(stream):
+                graph.replay()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for out in outs + graphed:
+            assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+    finally:
+        cuda._family.cache_clear()

@@ -158,7 +158,7 @@ def col_major(kb, rows):
 
 @pytest.mark.parametrize("name,trial", [("small_m", False), ("dense_1d2d", False),
                                         ("wgrad_1d1d", False), ("masked_grouped", False),
-                                        ("masked_small_m", True)])
+                                        ("masked_small_m", True), ("split_k", True)])
 def test_backend_launchers_build_for_every_family(name, trial, build, monkeypatch):
     """backends.cuda's fp8_gemm_nt_launcher / m_grouped_fp8_gemm_nt_launcher hand each family's
     launcher the arguments it takes, and the family is the one the backend chooses (on the
@@ -175,6 +175,7 @@ def test_backend_launchers_build_for_every_family(name, trial, build, monkeypatc
                            g2.GROUPED),
         "masked_small_m": (problem(GemmKind.MASKED, 256, 4096, 7168, 1, expected_m=128),
                            sm.MASKED_SMALL_M),
+        "split_k": (problem(GemmKind.DENSE, 1000, 512, 32768), g2.SPLIT_K),
     }
     p, fam = cases[name]
     monkeypatch.setattr(DeviceFacts, "of", staticmethod(lambda device: H200))

@@ -30,8 +30,9 @@ FAMILIES = (sm90_fp8_gemm_small_m.SMALL_M, sm90_fp8_gemm_1d2d.DENSE, sm90_fp8_ge
 # Families built and compile-checked that the table does not offer yet: the H200 has not run
 # their GPU tests. Tests, `run` with a forced config and scripts/cuda_tiles.py reach them by
 # name; each moves into FAMILIES (before the family it declines to) once its tests pass there.
-# The masked small-M family goes before sm90_m_grouped_fp8_gemm_1d2d.
-TRIAL_FAMILIES = (sm90_fp8_gemm_small_m.MASKED_SMALL_M,)
+# The masked small-M family goes before sm90_m_grouped_fp8_gemm_1d2d, the split-K family
+# before sm90_fp8_gemm_1d2d.
+TRIAL_FAMILIES = (sm90_fp8_gemm_small_m.MASKED_SMALL_M, sm90_fp8_gemm_1d2d.SPLIT_K)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,8 @@ from ..family import DeviceFacts, KernelFamily
 from .launch import (cached_plan, kernel_a_scales, launch, row_stride, split_workspace,
                      tma_aligned)
 
-__all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "DENSE", "GROUPED",
+__all__ = ["Sm90Config", "Sm90Fp8Gemm1d2d", "Sm90MGroupedFp8Gemm1d2d", "Sm90Fp8Gemm1d2dSplitK",
+           "DENSE", "GROUPED", "SPLIT_K", "split_candidates",
            "smem_bytes", "smem_limit", "sa_pad", "sa_box", "max_stages", "num_threads",
            "tile_cost", "mma_efficiency", "use_two_accum", "kernel_source", "compile_kernel",
            "BLOCK_K", "BLOCK_N_CHOICES", "MAX_K"]
@@ -116,14 +117,15 @@ MAX_K = 131072
 # sums a thread) spilled with the fix-up beside the C read, so parts are 64 or 128 rows.
 # The model: the items' waves of the part's k-blocks at the one-accumulator tile cost, plus per
 # wave the critical fix-up (a slot stored, the other splits - 1 read) at LOAD_WEIGHT a byte.
-# SPLIT_MIN_GAIN: taken only where that is at most this fraction of the best whole-tile time.
+# SPLIT_MIN_GAIN: the split-K family (SPLIT_K) declines where that is above this fraction of
+# the dense family's best whole-tile time.
 # Fitted to the one split the H200 has timed against the whole-tile pick: 1000x512x32768, 4
 # parts of 128x128 (parts then summed by the host) 43.8 us against 50.8 for 128x32 tiles, where
 # the model says 0.46; splits of tiles that already filled a wave lost (1000x1536x24576,
 # 192x7168x16384, 256x7168x2048: modelled 0.92-1.5).
 # SPLIT_MIN_M: decode sizes are the small-M family's, which splits K over a cluster and sums in
-# distributed shared memory (fitted to 34 decode shapes); the dense split, timed at M = 1000
-# only, is offered from M = 512.
+# distributed shared memory (fitted to 34 decode shapes); the split-K family, timed at M = 1000
+# only, takes M from 512.
 SPLIT_MAX_BLOCK_M = 128
 SPLIT_MIN_M = 512
 SPLIT_CHOICES = (2, 3, 4, 6, 8)
@@ -340,11 +342,9 @@ def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
 def split_candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
     """Split-K configs with their modelled cost (per unit of K, as candidate_tiles'), `tiles`
     counting the work items: every tile in parts, and where the tiles take more than one wave,
-    only the last wave's (the full waves' tiles whole, first). None below SPLIT_MIN_M rows."""
+    only the last wave's (the full waves' tiles whole, first)."""
     num_kb = ceil_div(k, BLOCK_K)
     out = []
-    if m < SPLIT_MIN_M:
-        return out
     for c in candidate_tiles(m, n, k, facts):
         if c.block_m > SPLIT_MAX_BLOCK_M:
             continue
@@ -371,10 +371,6 @@ def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
     if not cands:
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     best = min(cands, key=_rank)
-    split = min(split_candidates(m, n, k, facts), key=_rank, default=None)
-    if split is not None and split.cost <= SPLIT_MIN_GAIN * best.cost:
-        return replace(_config(split, k, facts), two_accum=False, splits=split.splits,
-                       split_from=split.split_from)
     num_m_blocks, num_n_blocks = ceil_div(m, best.block_m), ceil_div(n, best.block_n)
     # NOTE: a 2-CTA cluster shares one operand's tile; both CTAs must run the same tiles in step,
     # so the shared side needs an even block count (pairs of tiles never straddle a band) and the
@@ -722,8 +718,48 @@ class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
         return _select_grouped(problem.kind, rows, problem.groups, problem.n, problem.k, facts)
 
 
+def _split_config(c: Candidate, k: int, facts: DeviceFacts) -> Sm90Config:
+    return replace(_config(c, k, facts), two_accum=False, splits=c.splits,
+                   split_from=c.split_from)
+
+
+class Sm90Fp8Gemm1d2dSplitK(Sm90Fp8Gemm1d2d):
+    """Dense, K split: the 1D2D kernel with split-K (every tile in parts, or only the last
+    wave's), the parts summed in the kernel. Takes M >= SPLIT_MIN_M and declines where its model
+    gains less than 1 / SPLIT_MIN_GAIN over the dense family's whole tiles."""
+
+    name = "sm90_fp8_gemm_1d2d_split_k"
+
+    def supports(self, problem: GemmProblem) -> str | None:
+        why = super().supports(problem)
+        if why is None and problem.m < SPLIT_MIN_M:
+            why = f"splits K from M = {SPLIT_MIN_M} (smaller M: the small-M family), got M={problem.m}"
+        if why is None and problem.k <= BLOCK_K:
+            why = f"needs two k-blocks to split, got K={problem.k}"
+        return why
+
+    def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
+        m, n, k = problem.m, problem.n, problem.k
+        split = min(split_candidates(m, n, k, facts), key=_rank)
+        whole = min(candidate_tiles(m, n, k, facts), key=_rank)
+        if split.cost > SPLIT_MIN_GAIN * whole.cost:
+            return (f"modelled {split.cost / whole.cost:.2f} of the whole tiles' time, above "
+                    f"{SPLIT_MIN_GAIN}")
+        return None
+
+    def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Sm90Config:
+        return _split_config(min(split_candidates(problem.m, problem.n, problem.k, facts),
+                                 key=_rank), problem.k, facts)
+
+    def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[Sm90Config]:
+        """Every split config that fits, the chosen one first."""
+        return [_split_config(c, problem.k, facts) for c in
+                sorted(split_candidates(problem.m, problem.n, problem.k, facts), key=_rank)]
+
+
 DENSE = Sm90Fp8Gemm1d2d()
 GROUPED = Sm90MGroupedFp8Gemm1d2d()
+SPLIT_K = Sm90Fp8Gemm1d2dSplitK()
 
 
 # --- the ops layer's warm-call fast path ---------------------------------------------------------
@@ -773,11 +809,11 @@ class _Launcher:
 
 
 def launcher(family: KernelFamily, problem: GemmProblem, sa: torch.Tensor, sb: torch.Tensor):
-    """`_Launcher.run` of `family` (DENSE or GROUPED, the one the backend chose for `problem`)
+    """`_Launcher.run` of `family` (DENSE, SPLIT_K or GROUPED, the one the backend chose for `problem`)
     for warm calls with contiguous a, b, out (and index) and scales with the metadata of sa and
     sb; or None when those scales need converting on every call (the general path) or the family
     is not one of this module's."""
-    if family is not DENSE and family is not GROUPED:
+    if family is not DENSE and family is not GROUPED and family is not SPLIT_K:
         return None
     if not (is_col_major_tma_aligned(sa) and sb.is_contiguous()):
         return None
