@@ -540,13 +540,14 @@ def test_split_k_family_takes_what_the_model_halves(m, n, k):
         assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.split_from) == (128, 128, 4, 0)
 
 
-def test_split_k_family_is_on_trial_only():
-    """Built and compile-checked, not offered until its GPU tests pass: the dense family runs
-    1000x512x32768 in whole tiles."""
+def test_split_k_family_is_offered_before_the_dense_one():
+    """The backend runs 1000x512x32768 through the split-K family, and every dense problem it
+    declines through the dense family."""
     from fp8gemm.backends import cuda
 
-    assert g.SPLIT_K in cuda.TRIAL_FAMILIES and g.SPLIT_K not in cuda.FAMILIES
-    assert cuda.family_for(problem(1000, 512, 32768), H200) is g.DENSE
+    assert cuda.FAMILIES.index(g.SPLIT_K) == cuda.FAMILIES.index(g.DENSE) - 1
+    assert cuda.family_for(problem(1000, 512, 32768), H200) is g.SPLIT_K
+    assert cuda.family_for(problem(4096, 2112, 7168), H200) is g.DENSE
 
 
 def test_last_wave_split_candidates():
