@@ -22,8 +22,8 @@ last wave's tiles, (waves - 1) x SMs) or ctas_per_sm re-derives grid (a CTA per 
 tile and split, up to the SM count times ctas_per_sm, a multiple of the cluster; small-M: a
 changed block_m or num_splits, one CTA per tile and split).
 --sweep adds every config of `candidate_configs`. --also FAMILY,... times each other family's
-own choice beside them, as a variant named after the family (the masked small-M family of
-`backends.cuda.TRIAL_FAMILIES` against the grouped family it would take masked problems from:
+own choice beside them, as a variant named after the family (a family against the one it
+takes problems from, or one of `backends.cuda.TRIAL_FAMILIES` against the one it would:
 `--family sm90_m_grouped_fp8_gemm_1d2d_small_m --kind masked --also sm90_m_grouped_fp8_gemm_1d2d`;
 there a changed block_m also re-derives num_slots, the token tiles per group in the grid).
 

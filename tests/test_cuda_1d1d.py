@@ -59,7 +59,7 @@ def test_cuda_backend_routes_1d1d_here(m, n, k):
 
 def test_1d2d_problems_stay_with_the_1d2d_family():
     p = problem(4096, 7168, 2048, b_recipe=Recipe.BLOCK, out_dtype=torch.bfloat16, has_c=False)
-    assert family_for(p) is g2.DENSE
+    assert family_for(p, H200) is g2.DENSE
     assert "1x128 groups" in g.DENSE.supports(p)
 
 

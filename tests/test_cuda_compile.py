@@ -69,7 +69,7 @@ def test_e5m2_a_taken():
     e5m2 = torch.float8_e5m2
     for m in (4096, 64):
         p = problem(m, 7168, 2048, a_dtype=e5m2)
-        assert cuda_supports(p) is None and family_for(p) is g.DENSE, m
+        assert cuda_supports(p) is None and family_for(p, H200) is g.DENSE, m
     assert g.GROUPED.supports(grouped_problem(GemmKind.CONTIGUOUS, 8192, 4, 0, 4096, 7168)) is None
     assert "B e4m3" in cuda_supports(problem(4096, 7168, 2048, b_dtype=e5m2))
 
@@ -648,7 +648,7 @@ def test_grouped_configs(case):
     from fp8gemm.backends.cuda import family_for
 
     p = grouped_problem(*case)
-    fam = family_for(p)
+    fam = family_for(p, H200)
     assert fam is g.GROUPED and cuda_supports(p) is None
     cfg = fam.select_config(p, H200)
     assert cfg.block_m in g.GROUPED_BLOCK_M_CHOICES and cfg.num_multicast == 1

@@ -403,7 +403,7 @@ _BAD_VALUES_SCRIPT = textwrap.dedent("""
     out3 = torch.zeros(g, 64, n, dtype=torch.bfloat16, device=dev)
     masked_m = torch.tensor([1000, -5, 64], dtype=torch.int32, device=dev)
     fp8gemm.m_grouped_fp8_gemm_nt_masked((a3, sa3), (b, sb), out3, masked_m, 64, backend="cuda")
-    # the same through the masked small-M family (on trial: not in the backend's table), one
+    # the same through the masked small-M family with a config its heuristic does not pick: one
     # slot of 8-token tiles split in 3, so that a cluster walks up to 8 token tiles
     from fp8gemm.backends.cuda import sm90_fp8_gemm_small_m as small
     p3 = GemmProblem(GemmKind.MASKED, 64, n, k, g, e4m3, e4m3, Recipe.GROUP, Recipe.BLOCK,

@@ -506,14 +506,14 @@ def test_masked_family_supports_masked_decode_sizes_only():
                                               expected_m=8, **kw))
 
 
-def test_masked_family_is_on_trial_only():
-    """Built and compile-checked, not offered: the backend's table does not hold it yet, so the
-    grouped family runs every masked problem."""
-    assert sm.MASKED_SMALL_M in cuda_backend.TRIAL_FAMILIES
-    assert sm.MASKED_SMALL_M not in cuda_backend.FAMILIES
+def test_masked_family_sits_before_the_grouped_family():
+    """The backend runs a masked problem with the small-M family where its model takes it, else
+    with the grouped family."""
+    fams = cuda_backend.FAMILIES
+    assert fams.index(sm.MASKED_SMALL_M) < fams.index(dense.GROUPED)
     p = masked_problem(1, 256, 4096, 7168, 128)
-    assert sm.MASKED_SMALL_M.declines(p, H200) is None  # the model would take it
-    assert cuda_backend.family_for(p, H200) is dense.GROUPED
+    assert cuda_backend.family_for(p, H200) is sm.MASKED_SMALL_M
+    assert cuda_backend.family_for(masked_problem(4, 256, 4096, 7168, 64), H200) is dense.GROUPED
 
 
 def test_masked_family_supports_a_subset_of_the_grouped_family():

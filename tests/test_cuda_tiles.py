@@ -116,7 +116,7 @@ def test_small_m_variants_keep_one_cta_per_tile_and_split_and_even_rings(spec):
 
 
 def test_masked_small_m_variant_rederives_slots_and_grid():
-    """A narrower token tile on the masked small-M family (a trial family, found by name):
+    """A narrower token tile on the masked small-M family:
     the expected rows' token tiles per group, a CTA per group, slot, tile of B and split."""
     data = type("Data", (), {"a": torch.empty(2, 256, 7168)})()
     p = ct.grouped_problem(GemmKind.MASKED, data, 2, 128, 4096, 7168)
