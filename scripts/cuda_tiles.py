@@ -8,7 +8,7 @@
     python scripts/cuda_tiles.py --family sm90_fp8_gemm_1d1d --kind wgrad \
         --shapes 2112x7168x4096,7168x2048x1000 --variants base,block_n=128+two_accum=1
     python scripts/cuda_tiles.py --family sm90_k_grouped_fp8_gemm_1d1d --kind k_grouped_wgrad \
-        --shapes 8x4096x7168x4096,s8x7168x2048x4096 --variants base,block_m=192+block_n=112
+        --shapes 8x4096x7168x4096,s8x7168x2048x4096 --variants base,block_n=128
 
 A variant is `base` (the family's `select_config`) or '+'-joined FIELD=VALUE changes to it
 (`num_multicast=2+multicast_on_a=0`, `block_n=144`; booleans as 0/1). Fields not given keep the

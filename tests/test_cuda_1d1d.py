@@ -319,31 +319,26 @@ def test_one_past_the_widest_tile_spills(tmp_path, monkeypatch):
             assert max(spills) > 0, f"{cfg} N={n} compiles clean: widen {what}"
 
 
-@pytest.mark.parametrize("bm,choices,wider_k_grouped", [
-    (256, "TALL_BLOCK_N_CHOICES", False), (192, "THREE_WG_BLOCK_N_CHOICES", True)])
-def test_tall_tiles_compile_clean_up_to_the_stated_width(bm, choices, wider_k_grouped, tmp_path,
-                                                         monkeypatch):
-    """BLOCK_M = 256 (two waves of rows per k-block) and 192 (three math warpgroups at 160
-    registers): the widest of the stated choices compiles clean dense and k-grouped, e4m3 and
-    e5m2; one step wider spills (the stated register budget; at 192
-    rows the k-grouped kernel)."""
+def test_tall_tiles_compile_clean_up_to_the_stated_width(tmp_path, monkeypatch):
+    """BLOCK_M = 256 (two waves of rows per k-block): the widest of TALL_BLOCK_N_CHOICES compiles
+    clean dense and k-grouped, e4m3 and e5m2; one step wider spills (the stated register
+    budget)."""
     compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    bn = getattr(g, choices)[-1]
-    cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132)
-    assert cfg.num_threads == 128 + (256 if bm == 256 else 3 * 128)
+    bn = g.TALL_BLOCK_N_CHOICES[-1]
+    cfg = g.Sm90Config1d1d(256, bn, g.max_stages(256, bn, H200.smem_per_block), g.BAND_SIZE, 132)
     for k_grouped in (False, True):
         for e5m2 in (False, True):
             compiled = g.compile_kernel(7168, cfg, k_grouped, a_e5m2=e5m2)[1]
             _assert_clean(compiled, cfg, tool, tmp_path, f"k-grouped={k_grouped} e5m2={e5m2} {cfg}")
-    wider = g.Sm90Config1d1d(bm, bn + 8, g.max_stages(bm, bn + 8, H200.smem_per_block),
+    wider = g.Sm90Config1d1d(256, bn + 8, g.max_stages(256, bn + 8, H200.smem_per_block),
                              g.BAND_SIZE, 132)
-    log = g.compile_kernel(7168, wider, k_grouped=wider_k_grouped)[1].log
+    log = g.compile_kernel(7168, wider)[1].log
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     if not spills:
         pytest.skip("this compiler's log has no ptxas report")
-    assert max(spills) > 0, f"{wider} compiles clean: widen {choices}"
+    assert max(spills) > 0, f"{wider} compiles clean: widen TALL_BLOCK_N_CHOICES"
 
 
 def test_one_past_the_widest_two_accum_tile_spills(tmp_path, monkeypatch):
@@ -597,14 +592,13 @@ def test_k_grouped_matches_float64(m, n, ks, c_mode, gpu_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm,bn", [(256, g.TALL_BLOCK_N_CHOICES[-1]),
-                                   (192, g.THREE_WG_BLOCK_N_CHOICES[-1])])
 @pytest.mark.parametrize("c_mode", ["none", "separate", "alias"])
-def test_tall_tiles(bm, bn, c_mode, gpu_device):
-    """BLOCK_M = 256 (two waves of rows per k-block) and 192 (three math warpgroups), forced:
-    dense with M tails (300 rows: the second block's second wave, or third warpgroup, has none;
-    1000: 232 rows, or 40: one warpgroup's) and the k-grouped kernel accumulating in place."""
-    cfg = g.Sm90Config1d1d(bm, bn, g.max_stages(bm, bn, H200.smem_per_block), g.BAND_SIZE, 132)
+def test_tall_tiles(c_mode, gpu_device):
+    """BLOCK_M = 256 (two waves of rows per k-block), forced: dense with M tails in either wave
+    (300 rows: the second block's second wave has none; 1000: 232 rows) and the k-grouped kernel
+    accumulating in place."""
+    cfg = g.Sm90Config1d1d(256, 120, g.max_stages(256, 120, H200.smem_per_block), g.BAND_SIZE,
+                           132)
     for m, n, k in ((300, 1000, 1100), (1000, 360, 4096)):
         a, sa, b, sb = _operands(m, n, k, gpu_device)
         c = torch.randn(m, n, device=gpu_device) * 64

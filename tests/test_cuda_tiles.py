@@ -78,14 +78,14 @@ def test_wgrad_two_accum_variant():
     assert cfg.grid == min(132, ceil_div(2112, 128) * ceil_div(7168, 128))
 
 
-def test_wgrad_three_warpgroup_variant():
-    """block_m=192 (three math warpgroups, not offered by the heuristic): 512 threads, the most
-    stages that fit, a CTA per tile up to the SM count (2112 rows: 11 blocks)."""
+def test_wgrad_tall_variant():
+    """block_m=256 (two waves of 128 rows, not offered by the heuristic): 384 threads, the most
+    stages that fit, a CTA per tile up to the SM count (2112 rows: 9 blocks)."""
     p = ct.wgrad_problem(2112, 7168, 4096)
-    base, cfg = _derive(g1.DENSE, p, "block_m=192+block_n=112")
-    assert (cfg.block_m, cfg.block_n, cfg.num_threads) == (192, 112, 512)
+    base, cfg = _derive(g1.DENSE, p, "block_m=256+block_n=96")
+    assert (cfg.block_m, cfg.block_n, cfg.num_threads) == (256, 96, 384)
     assert cfg.smem <= H200.smem_per_block and cfg.num_stages >= 2
-    assert cfg.grid == min(132, 11 * ceil_div(7168, 112))
+    assert cfg.grid == min(132, 9 * ceil_div(7168, 96))
 
 
 def test_k_grouped_variant_counts_every_expert_s_tiles():
@@ -204,16 +204,16 @@ def test_ncu_call_runs_the_variant(op, shape, spec, gpu_device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("args", [
     ["--family", "sm90_fp8_gemm_1d1d", "--kind", "wgrad", "--shapes", "384x576x1000",
-     "--variants", "base,block_m=192+block_n=112"],
+     "--variants", "base,block_m=256+block_n=96"],
     ["--family", "sm90_k_grouped_fp8_gemm_1d1d", "--kind", "k_grouped_wgrad",
-     "--shapes", "3x256x576x640,s4x200x576x384", "--variants", "base,block_m=192+block_n=112"],
+     "--shapes", "3x256x576x640,s4x200x576x384", "--variants", "base,block_n=96"],
     ["--family", "sm90_m_grouped_fp8_gemm_1d2d_small_m", "--kind", "masked",
      "--shapes", "2x64x576x1024", "--also", "sm90_m_grouped_fp8_gemm_1d2d"],
 ], ids=["wgrad", "k_grouped", "masked_small_m"])
 def test_main_times_every_variant_right(args, gpu_device, tmp_path, capsys, monkeypatch):
     """The script end to end on small shapes: every variant and peer runs, none is WRONG or
-    refused, and each lands in the JSON (the three-warpgroup 1D1D tiles, dense and k-grouped
-    with skewed token counts, and the masked small-M family beside the grouped one). DeepGEMM
+    refused, and each lands in the JSON (the 1D1D tiles, dense in two waves and k-grouped with
+    skewed token counts, and the masked small-M family beside the grouped one). DeepGEMM
     is left out (its JIT compiles would dominate the test)."""
     import json
 

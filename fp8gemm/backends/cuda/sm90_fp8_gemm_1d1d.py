@@ -31,7 +31,7 @@ __all__ = ["Sm90Config1d1d", "Sm90Fp8Gemm1d1d", "Sm90KGroupedFp8Gemm1d1d", "DENS
            "smem_bytes", "max_stages",
            "num_threads", "tile_cost", "candidate_tiles", "kernel_source", "compile_kernel",
            "BLOCK_K", "BLOCK_M_CHOICES", "BLOCK_N_CHOICES", "K_GROUPED_BLOCK_N_CHOICES",
-           "TALL_BLOCK_N_CHOICES", "THREE_WG_BLOCK_N_CHOICES", "launcher"]
+           "TALL_BLOCK_N_CHOICES", "launcher"]
 
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 # NOTE: one k-block is one scale block of both operands: partial sums are promoted every 128 of K.
@@ -56,14 +56,6 @@ K_GROUPED_BLOCK_N_CHOICES = {128: tuple(range(16, 169, 8)), 64: tuple(range(16, 
 # against 0.884x for the heuristic's tiles, faster only at 32768x512 (3 %): the two waves'
 # promotions run one after the other. A config may ask for one.
 TALL_BLOCK_N_CHOICES = tuple(range(16, 121, 8))
-# NOTE: BLOCK_M = 192 runs three math warpgroups of 64 rows, one wave. Without loads (docs/cuda.md,
-# "The mainloop without loads"), the promotion's FMUL + FFMA let two warpgroups at n128 keep the
-# tensor cores 62 % busy and three 72 %: a warpgroup's promotion does not overlap its own wgmma,
-# but a third warpgroup's wgmma can run under it. At 512 threads a math thread has 160 registers
-# (a producer of 24): 112 is the widest tile ptxas compiles without spills dense and k-grouped
-# (120 spills 4-8 bytes k-grouped, 128 about 100 bytes). The heuristic does not offer them
-# (BLOCK_M_CHOICES) until they are timed; a config may ask for one.
-THREE_WG_BLOCK_N_CHOICES = tuple(range(16, 113, 8))
 MAX_STAGES = 8
 # NOTE: two accumulators (the next k-block's wgmma issued before the wait for this one, so the
 # tensor cores run while a k-block is promoted) add BLOCK_N/2 registers: the widest tiles ptxas
@@ -104,9 +96,8 @@ A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # --- config ---------------------------------------------------------------------------------------
 def num_threads(block_m: int) -> int:
-    """One producer warpgroup and a math warpgroup per 64 rows up to three (BLOCK_M = 256: two,
-    in two waves)."""
-    return 128 + (256 if block_m == 256 else 2 * block_m)
+    """One producer warpgroup and one (BLOCK_M = 64) or two math warpgroups."""
+    return 128 + (128 if block_m == 64 else 256)
 
 
 def smem_bytes(block_m: int, block_n: int, num_stages: int) -> int:

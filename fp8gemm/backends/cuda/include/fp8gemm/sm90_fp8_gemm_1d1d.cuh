@@ -12,14 +12,11 @@
 //   ceil(K_h/128): every group starts on a k-block, the columns past K_g of its last k-block are
 //   zero, and its scales are columns s_g.. of sa and sb (the host pads A and B so when the
 //   groups' K are not all multiples of 128). A group with K_g = 0 writes c[g] (or zeros).
-// Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64), two
-// (BLOCK_M = 128, 256) or three (BLOCK_M = 192) math warpgroups through a ring of kNumStages
-// shared-memory stages; every stage carries its k-block of A and B and their scales (BLOCK_M and
-// BLOCK_N floats). BLOCK_M = 256 runs as two waves of 128 rows per k-block through the one
-// accumulator, as the 1D2D kernel's does: only the FP32 sums double, and a k-block's loads feed
-// twice the FLOPs of 128 rows. Three warpgroups keep more wgmma in flight while the others
-// promote (the promotion's FMUL + FFMA do not overlap a warpgroup's own wgmma), at 160
-// registers a math thread.
+// Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
+// (BLOCK_M = 128, 256) math warpgroups through a ring of kNumStages shared-memory stages; every
+// stage carries its k-block of A and B and their scales (BLOCK_M and BLOCK_N floats). BLOCK_M =
+// 256 runs as two waves of 128 rows per k-block through the one accumulator, as the 1D2D kernel's
+// does: only the FP32 sums double, and a k-block's loads feed twice the FLOPs of 128 rows.
 #pragma once
 
 #include "sm90_utils.cuh"
@@ -31,8 +28,7 @@ namespace fp8gemm {
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
 struct Sm90Fp8Gemm1d1dLayout {
   static constexpr uint32_t BLOCK_K = 128;
-  // One math warpgroup per 64 rows up to three; BLOCK_M = 256 is two warpgroups in two waves.
-  static constexpr uint32_t kNumMathThreads = BLOCK_M == 256 ? 256 : BLOCK_M * 2;
+  static constexpr uint32_t kNumMathThreads = BLOCK_M == 64 ? 128 : 256;
   static constexpr uint32_t WAVE_M = kNumMathThreads / 128 * 64;  // rows of one wgmma wave
   static constexpr uint32_t kNumWaves = BLOCK_M / WAVE_M;
   // NOTE: TMA writes shared memory at 128-byte aligned addresses: a stage's scales take a
@@ -100,16 +96,12 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
   // NOTE: setmaxnreg moves registers from the producer (address arithmetic only) to the math
   // warpgroups, which hold the wgmma accumulator, the FP32 sums (BLOCK_N/2 floats each) and the
   // stage's B scales of their columns (BLOCK_N/4). 128 * 40 + 256 * 232 fits the 64K-register
-  // file; one math warpgroup (BLOCK_M = 64) can take 256; three (BLOCK_M = 192) take 160 each
-  // beside a producer of 24 (128 * 24 + 384 * 160 = 64K), which holds 1.5 BLOCK_N + ~20 live
-  // values up to BLOCK_N = 112 without spilling.
-  constexpr uint32_t kProducerRegs = kNumMathThreads == 384 ? 24 : 40;
-  constexpr uint32_t kMathRegs =
-      kNumMathThreads == 128 ? 256 : (kNumMathThreads == 256 ? 232 : 160);
+  // file; one math warpgroup (BLOCK_M = 64) can take 256.
+  constexpr uint32_t kProducerRegs = 40, kMathRegs = kNumMathThreads == 128 ? 256 : 232;
 
   // --- static checks ----------------------------------------------------------------------------
-  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 192 || BLOCK_M == 256,
-                "one to three math warpgroups of 64 rows each, or two in two waves");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128 || BLOCK_M == 256,
+                "one or two math warpgroups of 64 rows each, in one or two waves");
   static_assert(!kTwoAccum || kNumWaves == 1, "two accumulators take one wave of rows");
   // (BLOCK_N % 8 == 0 also makes a stage's B-scale box, BLOCK_N floats, a multiple of 16 bytes.)
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N >= 8 && BLOCK_N <= 256, "wgmma N is 8..256, step 8");
