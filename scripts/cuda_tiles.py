@@ -17,10 +17,9 @@ changed block_m or block_n re-derives num_stages (the most that fit the device's
 up to the most the family's candidates use; even for the small-M family) and two_accum (off,
 also for a changed splits); a changed ctas_per_sm (the 1D2D families: 2 for two 64-row CTAs an
 SM) re-derives num_stages in its share of shared memory; a changed block_m, block_n,
-num_multicast, splits (the 1D2D family's split-K), split_from (its first split tile; -1: the
-last wave's tiles, (waves - 1) x SMs) or ctas_per_sm re-derives grid (a CTA per tile, or per
-tile and split, up to the SM count times ctas_per_sm, a multiple of the cluster; small-M: a
-changed block_m or num_splits, one CTA per tile and split).
+num_multicast, splits (the 1D2D family's split-K) or ctas_per_sm re-derives grid (a CTA per
+tile, or per tile and split, up to the SM count times ctas_per_sm, a multiple of the cluster;
+small-M: a changed block_m or num_splits, one CTA per tile and split).
 --sweep adds every config of `candidate_configs`. --also FAMILY,... times each other family's
 own choice beside them, as a variant named after the family (a family against the one it
 takes problems from, or one of `backends.cuda.TRIAL_FAMILIES` against the one it would:
@@ -84,7 +83,7 @@ from fp8gemm.problem import GemmKind, GemmProblem, Recipe, ceil_div  # noqa: E40
 
 M4096 = "4096x2112x7168,4096x24576x1536,4096x32768x512,4096x7168x16384,4096x4096x7168,4096x7168x2048"
 TILE_FIELDS = ("block_m", "block_n")  # num_stages and two_accum follow from these
-GRID_FIELDS = ("block_m", "block_n", "num_multicast", "splits", "ctas_per_sm", "split_from")  # and grid these
+GRID_FIELDS = ("block_m", "block_n", "num_multicast", "splits", "ctas_per_sm")  # and grid these
 MAX_DIFF = 1e-5  # the library's bound for bf16 output (fp32 output lands closer)
 
 
@@ -198,9 +197,6 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
     if (tile_changed or "splits" in changes) and "two_accum" not in changes \
             and hasattr(cfg, "two_accum"):
         cfg = dataclasses.replace(cfg, two_accum=False)  # (split-K runs one accumulator)
-    if getattr(cfg, "split_from", 0) < 0:  # -1: split the last wave's tiles only
-        waves = ceil_div(tile_count(problem, cfg), facts.num_sms)
-        cfg = dataclasses.replace(cfg, split_from=(waves - 1) * facts.num_sms)
     split = hasattr(cfg, "num_splits")  # the small-M family: one CTA per (tile, split), even rings
     if split and problem.kind is GemmKind.MASKED and tile_changed and "num_slots" not in changes:
         cfg = dataclasses.replace(
@@ -210,9 +206,8 @@ def derive(base, changes: dict, problem: GemmProblem, facts: DeviceFacts, max_st
         if split:
             cfg = dataclasses.replace(cfg, grid=tile_count(problem, cfg) * cfg.num_splits)
         else:
-            tiles, whole = tile_count(problem, cfg), getattr(cfg, "split_from", 0)
             grid = min(facts.num_sms * getattr(cfg, "ctas_per_sm", 1),
-                       whole + (tiles - whole) * getattr(cfg, "splits", 1))
+                       tile_count(problem, cfg) * getattr(cfg, "splits", 1))
             mc = getattr(cfg, "num_multicast", 1)
             cfg = dataclasses.replace(cfg, grid=max(grid - grid % mc, mc))
     if (tile_changed or "ctas_per_sm" in changes) and "num_stages" not in changes:

@@ -531,13 +531,13 @@ def test_split_k_family_takes_what_the_model_halves(m, n, k):
     assert taken == (split.cost <= g.SPLIT_MIN_GAIN * whole.cost)
     assert taken == ((m, n, k) == (1000, 512, 32768))
     cfg = g.SPLIT_K.select_config(p, H200)
-    assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.split_from, cfg.grid) == (
-        split.block_m, split.block_n, split.splits, split.split_from, min(H200.num_sms, split.tiles))
+    assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.grid) == (
+        split.block_m, split.block_n, split.splits, min(H200.num_sms, split.tiles))
     assert not cfg.two_accum and cfg.num_stages == split.num_stages and cfg.num_multicast == 1
     assert cfg.block_m <= g.SPLIT_MAX_BLOCK_M and 2 <= cfg.splits <= ceil_div(k, g.BLOCK_K)
     assert g.SPLIT_K.candidate_configs(p, H200)[0] == cfg
     if taken:
-        assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.split_from) == (128, 128, 4, 0)
+        assert (cfg.block_m, cfg.block_n, cfg.splits) == (128, 128, 4)
 
 
 def test_split_k_family_is_offered_before_the_dense_one():
@@ -548,22 +548,6 @@ def test_split_k_family_is_offered_before_the_dense_one():
     assert cuda.FAMILIES.index(g.SPLIT_K) == cuda.FAMILIES.index(g.DENSE) - 1
     assert cuda.family_for(problem(1000, 512, 32768), H200) is g.SPLIT_K
     assert cuda.family_for(problem(4096, 2112, 7168), H200) is g.DENSE
-
-
-def test_last_wave_split_candidates():
-    """split_from = (waves - 1) x SMs: the full waves' tiles whole, the last wave's in parts."""
-    cands = g.split_candidates(4096, 2112, 7168, H200)
-    c = next(c for c in cands if (c.block_m, c.block_n, c.splits, c.split_from) == (128, 192, 3, 264))
-    assert c.tiles == 264 + 88 * 3 and c.waves == 4
-
-
-def test_split_from_needs_split_k_and_a_tile_below_the_last():
-    base = g.Sm90Config(128, 128, 4, 1, False, g.BAND_SIZE, 132, False, 2)
-    prob = problem(1000, 7168, 4096)  # 8 x 56 = 448 tiles
-    for cfg in (replace(base, splits=1, split_from=132), replace(base, split_from=448),
-                replace(base, split_from=-1)):
-        with pytest.raises(ValueError, match="split_from"):
-            g.Sm90Plan(prob, 0, cfg)
 
 
 def test_split_k_refusals():

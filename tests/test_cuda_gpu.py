@@ -273,36 +273,6 @@ def test_split_k_configs(m, n, k, bm, bn, splits, gpu_device):
     assert torch.equal(graphed, out)
 
 
-@pytest.mark.parametrize("m,n,k,bm,bn,splits", [(4096, 2112, 7168, 128, 192, 3),
-                                                 (1000, 2112, 7168, 128, 96, 3),
-                                                 (1000, 7168, 4096, 128, 128, 2),
-                                                 (3000, 1000, 1408, 64, 136, 4)])
-def test_split_k_last_wave_only(m, n, k, bm, bn, splits, gpu_device):
-    """Split-K of the last wave's tiles only (split_from = full waves x SMs, the rest whole):
-    against float64 with a poisoned out, with C, the same bits on every run."""
-    from dataclasses import replace
-
-    from fp8gemm.backends.cuda import FAMILIES
-    from fp8gemm.backends.family import DeviceFacts
-
-    fam = {f.name: f for f in FAMILIES}["sm90_fp8_gemm_1d2d"]
-    facts = DeviceFacts.of(gpu_device)
-    problem = dense_problem(m, n, k)
-    tiles = ceil_div(m, bm) * ceil_div(n, bn)
-    split_from = (ceil_div(tiles, facts.num_sms) - 1) * facts.num_sms
-    assert 0 < split_from < tiles
-    cfg = replace(_split_config(fam, problem, facts, bm, bn, splits), split_from=split_from,
-                  grid=min(facts.num_sms, split_from + (tiles - split_from) * splits))
-    out, run = run_forced_dense(fam, cfg, problem, gpu_device)
-    assert torch.equal(run(torch.empty_like(out)), out)
-    a, sa, b, sb = make_operands(m, n, k, gpu_device)
-    c = torch.randn(m, n, device=gpu_device)
-    out_c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=gpu_device)
-    fam.run(cfg, replace(problem, has_c=True), a, sa, b, sb, out_c, c=c)
-    torch.cuda.synchronize()
-    assert calc_diff(out_c, reference(a, sa, b, sb) + c.double()) < TOL_BF16
-
-
 @pytest.mark.parametrize("m,n,k,bn,two_accum", [(64, 2112, 7168, 32, True),
                                                   (200, 7168, 2048, 64, True),
                                                   (1000, 576, 1408, 160, False)])

@@ -94,10 +94,9 @@ def walker(tmp_path_factory):
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
 
-    def run(cfg, grid: int, shape_m: int, array=(), num_groups: int = 0, shape_k: int = 0,
-            split_from: int = 0):
+    def run(cfg, grid: int, shape_m: int, array=(), num_groups: int = 0, shape_k: int = 0):
         stdin = " ".join(str(v) for v in (CONFIGS.index(cfg), grid, shape_m, shape_k, num_groups,
-                                          split_from, len(array), *array))
+                                          len(array), *array))
         p = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, f"exit {p.returncode}: {p.stderr[-2000:]}"
         tiles: list[list[tuple]] = [[] for _ in range(grid)]
@@ -136,20 +135,14 @@ def per_cta(seq: list, grid: int) -> list[list]:
 
 
 # --- dense ---------------------------------------------------------------------------------------
-WHOLE = 0xFFFFFFFF  # Tile::split of a whole tile in a split-K walk (kWholeTile)
-
-
-def expected_dense(c: Sched, grid: int, m: int, split_from: int = 0) -> list[list[tuple]]:
-    """Split-K: the tiles before split_from whole, first, then each later tile's parts as
-    consecutive items (split = the part, last = the tile's index among the split ones)."""
-    order = mn_order(c, ceil_div(m, c.block_m))
-    items = [(t, WHOLE if c.splits > 1 else 0, 0) for t in range(split_from)]
-    items += [(t, p if c.splits > 1 else 0, t - split_from if c.splits > 1 else 0)
-              for t in range(split_from, len(order)) for p in range(c.splits)]
+def expected_dense(c: Sched, grid: int, m: int) -> list[list[tuple]]:
+    """Split-K: each tile's parts as consecutive items (split = the part, last = the tile's
+    index in the walk)."""
     seq = []
-    for t, split, part_tile in items:
-        mb, nb = order[t]
+    for t in range(ceil_div(m, c.block_m) * c.n_blocks * c.splits):
+        mb, nb = mn_order(c, ceil_div(m, c.block_m))[t // c.splits]
         m0 = mb * c.block_m
+        split, part_tile = (t % c.splits, t // c.splits) if c.splits > 1 else (0, 0)
         seq.append((m0, m0, nb, 0, c.block_m, 1, int(m <= c.block_m), 3, split, part_tile))
     return per_cta(seq, grid)
 
@@ -160,20 +153,6 @@ def expected_dense(c: Sched, grid: int, m: int, split_from: int = 0) -> list[lis
                                     (300, 1000)])
 def test_dense_walk(walker, cfg, m, grid):
     assert walker(cfg, grid, m) == expected_dense(cfg, grid, m)
-
-
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if isinstance(c, Sched) and c.kind == DENSE
-                                 and c.splits > 1], ids=str)
-@pytest.mark.parametrize("m,grid,full_waves", [(1000, 7, 2), (9000, 100, 1), (5000, 29, 3)])
-def test_dense_walk_splits_only_the_last_wave(walker, cfg, m, grid, full_waves):
-    """split_from = full waves x grid: every CTA runs its whole tiles first, then the parts."""
-    split_from = full_waves * grid
-    assert split_from < ceil_div(m, cfg.block_m) * cfg.n_blocks
-    got = walker(cfg, grid, m, split_from=split_from)
-    assert got == expected_dense(cfg, grid, m, split_from)
-    for tiles in got:
-        assert [t[8] for t in tiles[:full_waves]] == [WHOLE] * full_waves
-        assert WHOLE not in [t[8] for t in tiles[full_waves:]]
 
 
 # --- contiguous ----------------------------------------------------------------------------------

@@ -38,13 +38,6 @@ def test_dense_tile_change_rederives_stages_and_grid():
     assert cfg.grid == min(132, ceil_div(4096, 128) * ceil_div(4096, 192))
 
 
-def test_dense_last_wave_split_variant():
-    """split_from=-1: the last wave's tiles split, the grid one CTA an SM."""
-    p = ct.dense_problem(4096, 2112, 7168)
-    _, cfg = _derive(g2.DENSE, p, "block_m=128+block_n=192+splits=3+split_from=-1")
-    assert (cfg.splits, cfg.split_from, cfg.grid, cfg.two_accum) == (3, 264, 132, False)
-
-
 def test_dense_split_k_variant_rederives_grid_and_drops_two_accum():
     p = ct.dense_problem(192, 7168, 16384)
     base, cfg = _derive(g2.DENSE, p, "block_m=128+block_n=128+splits=2")

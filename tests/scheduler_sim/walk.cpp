@@ -3,10 +3,10 @@
 // instances as SCHED(id, kind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kPairs)
 // and WALK1D1D(id, kKGrouped, BLOCK_M, kNumNBlocks, kBandSize).
 //
-// stdin: config id, grid, shape_m, shape_k, num_groups, split_from, the array's length L, then
-// its L values (the grouped layout, or ks). stdout: per tile, "cta m0 sa_m n_block group rows
-// full b_once halves split last" (TileScheduler; last: multicast with pairs, the part's
-// part_tile with split-K, else 0) or "cta m0 n_block group kb0 num_kb" (Scheduler1d1d).
+// stdin: config id, grid, shape_m, shape_k, num_groups, the array's length L, then its L values
+// (the grouped layout, or ks). stdout: per tile, "cta m0 sa_m n_block group rows full b_once
+// halves split last" (TileScheduler; last: multicast with pairs, part_tile with split-K, else 0)
+// or "cta m0 n_block group kb0 num_kb" (Scheduler1d1d).
 // One simulated warp (32 threads) walks every CTA's tiles in turn; the lanes must agree on each.
 #include <cstdio>
 #include <thread>
@@ -17,7 +17,7 @@
 using namespace fp8gemm;
 
 struct Args {
-  uint32_t grid, shape_m, shape_k, num_groups, split_from;
+  uint32_t grid, shape_m, shape_k, num_groups;
   std::vector<int32_t> array;
 };
 
@@ -70,13 +70,12 @@ void walk_tiles(const Args& a) {
   using Row = std::vector<long>;
   print_tiles(run_grid<Row>(a.grid, kPairs ? 2 : 1, [&](std::vector<Row>& out) {
     TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kPairs> s(
-        a.shape_m, a.array.empty() ? nullptr : a.array.data(), a.num_groups, a.split_from);
+        a.shape_m, a.array.empty() ? nullptr : a.array.data(), a.num_groups);
     Tile t{};
     while (s.next(t)) {
-      const bool part = kNumSplits > 1 && t.split != kWholeTile;
       out.push_back({t.m0, t.sa_m, t.n_block, t.group, t.rows, t.full, t.b_once, t.halves,
-                     kNumSplits > 1 ? static_cast<long>(t.split) : 0,
-                     kPairs ? t.multicast : (part ? t.part_tile : 0)});
+                     kNumSplits > 1 ? t.split : 0,
+                     kPairs ? t.multicast : (kNumSplits > 1 ? t.part_tile : 0)});
       t = Tile{};
       if (out.size() > 1000000) break;  // (a walk that does not end)
     }
@@ -102,8 +101,8 @@ int main() {
   int id;
   Args a;
   size_t len;
-  if (std::scanf("%d %u %u %u %u %u %zu", &id, &a.grid, &a.shape_m, &a.shape_k, &a.num_groups,
-                 &a.split_from, &len) != 7) {
+  if (std::scanf("%d %u %u %u %u %zu", &id, &a.grid, &a.shape_m, &a.shape_k, &a.num_groups,
+                 &len) != 6) {
     std::fprintf(stderr, "bad input\n");
     return 2;
   }

@@ -222,9 +222,6 @@ class Sm90Config:
     # shared memory (smem_limit), so that two math warpgroups of different tiles feed the tensor
     # cores where one 64-row tile's warpgroup leaves them idle while it promotes
     ctas_per_sm: int = 1
-    # split-K: the tiles before this one (in the scheduler's order) run whole, first; (waves - 1)
-    # x grid splits only the last wave's tiles
-    split_from: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -244,7 +241,6 @@ class Sm90Config:
                 f"multicast={mc} grid={self.grid} threads={self.num_threads}"
                 + (" accum=2" if self.two_accum else "")
                 + (f" splits={self.splits}" if self.splits > 1 else "")
-                + (f" split_from={self.split_from}" if self.split_from else "")
                 + (f" ctas/SM={self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""))
 
 
@@ -285,8 +281,7 @@ class Candidate:
     waves: int
     last_wave: int  # tiles in the last wave
     cost: float  # modelled time: waves * tile_cost (max of MMA and loads per unit of K)
-    splits: int = 1  # split-K parts a tile (split_candidates; `tiles` then counts the items)
-    split_from: int = 0  # split-K: the tiles before this one whole
+    splits: int = 1  # split-K parts a tile (split_candidates; `tiles` then counts the parts)
 
 
 def candidate_tiles(m: int, n: int, k: int, facts: DeviceFacts, groups: int = 1,
@@ -341,8 +336,7 @@ def _config(best: Candidate, k: int, facts: DeviceFacts, multicast: int = 1,
 
 def split_candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candidate]:
     """Split-K configs with their modelled cost (per unit of K, as candidate_tiles'), `tiles`
-    counting the work items: every tile in parts, and where the tiles take more than one wave,
-    only the last wave's (the full waves' tiles whole, first)."""
+    counting the parts."""
     num_kb = ceil_div(k, BLOCK_K)
     out = []
     for c in candidate_tiles(m, n, k, facts):
@@ -350,18 +344,14 @@ def split_candidates(m: int, n: int, k: int, facts: DeviceFacts) -> list[Candida
             continue
         cost = tile_cost(c.block_m, c.block_n)  # (one accumulator)
         fixup = LOAD_WEIGHT * 4 * c.block_m * c.block_n / (num_kb * BLOCK_K)
-        for split_from in {0, (c.waves - 1) * facts.num_sms}:
-            for splits in SPLIT_CHOICES:
-                if splits > num_kb:
-                    break
-                items = split_from + (c.tiles - split_from) * splits
-                part_waves = ceil_div(items - split_from, facts.num_sms)
-                waves = split_from // facts.num_sms + part_waves
-                time = (waves - part_waves) * cost + part_waves * (
-                    cost * ceil_div(num_kb, splits) / num_kb + fixup * splits)
-                out.append(Candidate(c.block_m, c.block_n, c.num_stages, items, waves,
-                                     items - (waves - 1) * facts.num_sms, round(time, 6), splits,
-                                     split_from))
+        for splits in SPLIT_CHOICES:
+            if splits > num_kb:
+                break
+            items = c.tiles * splits
+            waves = ceil_div(items, facts.num_sms)
+            time = waves * (cost * ceil_div(num_kb, splits) / num_kb + fixup * splits)
+            out.append(Candidate(c.block_m, c.block_n, c.num_stages, items, waves,
+                                 items - (waves - 1) * facts.num_sms, round(time, 6), splits))
     return out
 
 
@@ -495,13 +485,9 @@ class Sm90Plan:
                 > smem_limit(DeviceFacts.of(torch.device("cuda", device_index)), 2))):
             raise ValueError(f"config {cfg}: two CTAs an SM need 64-row tiles, no multicast and "
                              f"half the SM's shared memory at most; one or two CTAs an SM only")
-        # split-K: each split tile's parts in float32 slots, a counter per split tile
-        # (split_workspace)
-        tiles = ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
-        if cfg.split_from and not (cfg.splits > 1 and 0 < cfg.split_from < tiles):
-            raise ValueError(f"config {cfg}: split_from needs split-K and a tile number below "
-                             f"the {tiles} tiles")
-        self.split_tiles = tiles - cfg.split_from if cfg.splits > 1 else 0
+        # split-K: each tile's parts in float32 slots, a counter per tile (split_workspace)
+        self.split_tiles = (ceil_div(problem.m, cfg.block_m) * ceil_div(problem.n, cfg.block_n)
+                            if cfg.splits > 1 else 0)
         self.split_floats = self.split_tiles * cfg.splits * cfg.block_m * cfg.block_n
         smem = cfg.smem(problem.k, problem.kind)
         self.kernel = jit.build(*kernel_source(problem.kind, problem.n, problem.k, cfg,
@@ -563,7 +549,6 @@ class Sm90Plan:
                               ctypes.c_uint64(0 if c is None else c.stride(0)),
                               ctypes.c_uint64(0 if split is None else split[0].data_ptr()),
                               ctypes.c_uint64(0 if split is None else split[1].data_ptr()),
-                              ctypes.c_uint32(cfg.split_from),
                               map_a, map_b, map_sa, map_d or map_d_tail, map_d_tail or map_d,
                               map_a_tail])
         if len(self.packs) >= 1024:
@@ -719,13 +704,11 @@ class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
 
 
 def _split_config(c: Candidate, k: int, facts: DeviceFacts) -> Sm90Config:
-    return replace(_config(c, k, facts), two_accum=False, splits=c.splits,
-                   split_from=c.split_from)
+    return replace(_config(c, k, facts), two_accum=False, splits=c.splits)
 
 
 class Sm90Fp8Gemm1d2dSplitK(Sm90Fp8Gemm1d2d):
-    """Dense, K split: the 1D2D kernel with split-K (every tile in parts, or only the last
-    wave's), the parts summed in the kernel. Takes M >= SPLIT_MIN_M and declines where its model
+    """Dense, K split: the 1D2D kernel with split-K, the parts summed in the kernel. Takes M >= SPLIT_MIN_M and declines where its model
     gains less than 1 / SPLIT_MIN_GAIN over the dense family's whole tiles."""
 
     name = "sm90_fp8_gemm_1d2d_split_k"

@@ -7,12 +7,11 @@
 //     first masked_m[g] rows). Rows that belong to no group are neither computed nor written.
 //   kHasC (dense only): C float32 [M, N], unit column stride, row stride c_stride elements (0: one
 //     row for every row, a bias), added to the FP32 sums before the bf16 rounding.
-//   kNumSplits > 1 (dense only, split-K): the k-blocks of the tiles from split_from on are cut in
-//     kNumSplits ranges, each a work item of its own (a tile's parts are consecutive items:
-//     neighbouring CTAs of one wave), after the whole tiles before split_from. Each part's FP32
-//     sums go to split_ws (kNumSplits slots of BLOCK_M x BLOCK_N floats per split tile), counted
-//     by split_flags (one word per split tile, zero before the launch and left zero); the part
-//     that finds the others stored sums them in a fixed order and runs the epilogue.
+//   kNumSplits > 1 (dense only, split-K): each tile's k-blocks are cut in kNumSplits ranges, each a
+//     work item of its own (a tile's parts are consecutive items: neighbouring CTAs of one wave).
+//     Each part's FP32 sums go to split_ws (kNumSplits slots of BLOCK_M x BLOCK_N floats per
+//     tile), counted by split_flags (one word per tile, zero before the launch and left zero);
+//     the part that finds the others stored sums them in a fixed order and runs the epilogue.
 //   kCtasPerSm = 2 (BLOCK_M = 64, no cluster): two CTAs share an SM, each in half its registers
 //     and shared memory, so that two math warpgroups of different tiles feed its tensor cores.
 // Persistent and warp-specialised: one TMA producer warpgroup feeds one (BLOCK_M = 64) or two
@@ -142,7 +141,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
                           const int32_t* __restrict__ grouped_layout, uint32_t num_groups,
                           uint8_t* __restrict__ out, const float* __restrict__ c, uint64_t c_stride,
                           float* __restrict__ split_ws, uint32_t* __restrict__ split_flags,
-                          uint32_t split_from,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
                           const __grid_constant__ TmaDescriptor tmap_sa,
@@ -259,20 +257,20 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     init_stage_ring(full_bar, empty_bar, kNumStages, kNumMathWarps * kNumTMAMulticast);
   using Scheduler =
       TileScheduler<kKind, BLOCK_M, kNumNBlocks, kBandSize, kBandAlongM, kNumSplits, kPairs>;
-  // The k-blocks of a work item: all of the tile's but for a part of a split tile.
+  // The k-blocks of a tile's part: all of them without split-K.
   auto kb_begin = [](const Tile& t) -> uint32_t {
     if constexpr (kNumSplits == 1) return 0;
-    else return t.split == kWholeTile ? 0 : t.split * kNumKBlocks / kNumSplits;
+    else return t.split * kNumKBlocks / kNumSplits;
   };
   auto kb_end = [](const Tile& t) -> uint32_t {
     if constexpr (kNumSplits == 1) return kNumKBlocks;
-    else return t.split == kWholeTile ? kNumKBlocks : (t.split + 1) * kNumKBlocks / kNumSplits;
+    else return (t.split + 1) * kNumKBlocks / kNumSplits;
   };
   // NOTE: a dense CTA's first tile follows from blockIdx alone, so its first B boxes can go to
   // L2 before the dependency wait (prefetch_first_b_l2).
   if constexpr (kKind == kKindDense) {
     if (threadIdx.x == kNumMathThreads) {
-      Scheduler first(shape_m, grouped_layout, num_groups, split_from);  // (dense: arithmetic only)
+      Scheduler first(shape_m, grouped_layout, num_groups);  // (dense: arithmetic only)
       Tile t;
       if (first.next(t)) {
         prefetch_first_b_l2<BLOCK_K>(&tmap_b, kb_begin(t), kb_end(t),
@@ -289,7 +287,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   grid_dependency_wait();
   grid_launch_dependents();
 
-  Scheduler scheduler(shape_m, grouped_layout, num_groups, split_from);
+  Scheduler scheduler(shape_m, grouped_layout, num_groups);
   Tile tile;
 
   if (warpgroup == kNumMathThreads / 128) {
@@ -747,7 +745,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       }
 
       if constexpr (kNumSplits > 1) {
-        if (tile.split == kWholeTile || split_fixup(tile)) epilogue(tile);
+        if (split_fixup(tile)) epilogue(tile);
       } else if constexpr (!kTwoAccum) {
         epilogue(tile);
       }

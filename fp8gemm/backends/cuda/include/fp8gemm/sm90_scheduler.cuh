@@ -22,9 +22,6 @@ constexpr uint32_t kKindContiguous = 1;  // A [sum M, K], layout = m_indices [su
 constexpr uint32_t kKindOffsets = 2;     // A [sum M, K], layout = offsets [G + 1]
 constexpr uint32_t kKindMasked = 3;      // A [G, Mmax, K] as [G * Mmax, K], layout = masked_m [G]
 
-// Tile::split of a tile computed whole in a split-K launch (the tiles before split_from).
-constexpr uint32_t kWholeTile = 0xffffffffu;
-
 // One output tile: rows [m0, m0 + BLOCK_M) of the 2-D views of A and D, one group's B.
 struct Tile {
   int32_t m0;        // first row in the 2-D view of A and D
@@ -35,8 +32,8 @@ struct Tile {
   bool full;         // every row the TMA store would write belongs to the tile's group
   bool b_once;       // the group has one m-block: no other tile reads this tile's B
   uint32_t halves;   // bit h: rows [h * BLOCK_M / 2, (h + 1) * BLOCK_M / 2) hold rows of the tile
-  uint32_t split;    // dense split-K: which of the kNumSplits k-ranges, or kWholeTile
-  uint32_t part_tile;  // dense split-K: the tile's index among the split ones (its slots, counter)
+  uint32_t split;    // dense split-K: which of the kNumSplits k-ranges (set only when > 1)
+  uint32_t part_tile;  // dense split-K: the tile's index in the walk (its slots and counter)
   bool multicast;    // pairs: both CTAs' tiles read the same group's B (set only with kPairs)
 };
 
@@ -77,10 +74,8 @@ __device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row
 // NOTE: with a 2-CTA cluster the host guarantees an even band size and an even block count on the
 // banded side, so tiles 2j and 2j + 1 always share the multicast operand (dense only).
 // Every method is called by a whole warp (the contiguous layout is read warp-wide).
-// kNumSplits (dense only): the tiles from split_from on (in tile order) have their K range split
-// in kNumSplits, each part a work item of its own; the parts of one tile are consecutive items
-// (CTAs b, b + 1, ... of one wave). The tiles before split_from are whole items, first: split_from
-// = (waves - 1) x grid splits the last wave's tiles only.
+// kNumSplits (dense only): each tile's K range is split in kNumSplits, each part a work item of
+// its own; the parts of one tile are consecutive items (CTAs b, b + 1, ... of one wave).
 // kPairs (contiguous, 2-CTA clusters sharing B): a work item is a pair of m-blocks (2p, 2p + 1)
 // on one n-block, banded along M (kBandSize / 2 pairs a band), CTA rank r computing block
 // 2p + r. The pair's two CTAs must run the same tiles in step (each releases every stage to both),
@@ -97,8 +92,7 @@ struct TileScheduler {
   uint32_t shape_m;     // rows of A as stored: M, sum M, or Mmax (masked)
   uint32_t num_groups;
   const int32_t* layout;
-  uint32_t num_tiles;   // dense, contiguous: every (m_block, n_block) (dense split-K: items)
-  uint32_t split_from;  // dense split-K: the first tile computed in parts
+  uint32_t num_tiles;   // dense, contiguous: every (m_block, n_block) (dense split-K: its parts)
   uint32_t next_tile;
   // Offsets, masked: the group whose tiles [group_tile0, group_tile0 + group_tiles) come next.
   uint32_t group, group_tile0, group_tiles, group_row0, group_rows;
@@ -120,14 +114,12 @@ struct TileScheduler {
   int32_t peer_ahead_first, peer_ahead_last;
 
   __device__ __forceinline__ TileScheduler(uint32_t shape_m_, const int32_t* layout_,
-                                           uint32_t num_groups_, uint32_t split_from_ = 0)
+                                           uint32_t num_groups_)
       : shape_m(shape_m_), num_groups(num_groups_), layout(layout_),
-        num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks), split_from(split_from_),
-        next_tile(blockIdx.x),
+        num_tiles(ceil_div(shape_m_, BLOCK_M) * kNumNBlocks * kNumSplits), next_tile(blockIdx.x),
         group(0), group_tile0(0), group_tiles(0), group_row0(0), group_rows(0),
         ahead_first(-1), ahead_last(-1), ahead_m(0), ahead_n(0), after_m(0), after_n(0),
         extra_m0(0), extra_n(0), extra_group(0), extra_last(-1) {
-    if constexpr (kNumSplits > 1) num_tiles = split_from + (num_tiles - split_from) * kNumSplits;
     if constexpr (kKind == kKindOffsets || kKind == kKindMasked) {
       // NOTE: the whole layout (G or G + 1 int32) goes to L1 at once: a warp advancing past a
       // group must read the next one's bounds before it knows its tile, and from L1 that wait
@@ -318,17 +310,9 @@ struct TileScheduler {
   __device__ __forceinline__ bool next(Tile& t) {
     if constexpr (kKind == kKindDense) {
       if (next_tile >= num_tiles) return false;
-      uint32_t tile = next_tile, m_block, n_block;
-      if constexpr (kNumSplits > 1) {
-        if (next_tile < split_from) {
-          t.split = kWholeTile;
-        } else {
-          const uint32_t part = next_tile - split_from;
-          t.part_tile = part / kNumSplits, t.split = part % kNumSplits;
-          tile = split_from + t.part_tile;
-        }
-      }
-      tile_coords(tile, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+      uint32_t m_block, n_block;
+      tile_coords(next_tile / kNumSplits, ceil_div(shape_m, BLOCK_M), m_block, n_block);
+      if constexpr (kNumSplits > 1) t.part_tile = next_tile / kNumSplits, t.split = next_tile % kNumSplits;
       next_tile += gridDim.x;
       t.m0 = t.sa_m = static_cast<int32_t>(m_block * BLOCK_M);
       t.n_block = n_block, t.group = 0, t.rows = BLOCK_M, t.full = true;
