@@ -70,7 +70,8 @@ def launch(kernel: jit.Kernel, config: jit.LaunchConfig, device_index: int,
 _split_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_workspace(device_index: int, floats: int, flags: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_workspace(device_index: int, floats: int,
+                    flags: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(parts, flags) for a launch on the current stream of device `device_index`: at least
     `floats` float32 parts and `flags` int32 counters, the counters zero.
     NOTE: under CUDA-graph capture nothing runs, so a cached pair's zeros could not be vouched

@@ -119,10 +119,11 @@ MAX_K = 131072
 # wave the critical fix-up (a slot stored, the other splits - 1 read) at LOAD_WEIGHT a byte.
 # SPLIT_MIN_GAIN: the split-K family (SPLIT_K) declines where that is above this fraction of
 # the dense family's best whole-tile time.
-# Fitted to the one split the H200 has timed against the whole-tile pick: 1000x512x32768, 4
-# parts of 128x128 (parts then summed by the host) 43.8 us against 50.8 for 128x32 tiles, where
-# the model says 0.46; splits of tiles that already filled a wave lost (1000x1536x24576,
-# 192x7168x16384, 256x7168x2048: modelled 0.92-1.5).
+# Fitted to splits timed against the whole-tile pick: 1000x512x32768, 4 parts of 128x128,
+# modelled 0.46, ran 42.8 us against 55.0 for 128x32 tiles (H100, same run; on the H200 with the
+# parts summed by the host 43.8 against 50.8); 1000x1536x24576, 128x192 in 2 parts, modelled 0.92,
+# 1.02-1.07x (H100); 1000x2048x7168, modelled 1.2, 0.68x (H100); with the host's sum on the H200,
+# 192x7168x16384 and 256x7168x2048 (modelled 1.0-1.5) 0.4-0.8x.
 # SPLIT_MIN_M: decode sizes are the small-M family's, which splits K over a cluster and sums in
 # distributed shared memory (fitted to 34 decode shapes); the split-K family, timed at M = 1000
 # only, takes M from 512.
@@ -474,9 +475,9 @@ class Sm90Plan:
                     raise ValueError(f"config {cfg}: multicast needs a dense or contiguous "
                                      f"problem and, dense, an even block count on the shared "
                                      f"side")
-        if cfg.splits > 1 and (problem.kind is not GemmKind.DENSE or cfg.block_m > SPLIT_MAX_BLOCK_M
-                               or cfg.num_multicast != 1 or cfg.two_accum
-                               or not cfg.splits <= self.num_kb):
+        if cfg.splits > 1 and (problem.kind is not GemmKind.DENSE
+                               or cfg.block_m > SPLIT_MAX_BLOCK_M or cfg.num_multicast != 1
+                               or cfg.two_accum or not cfg.splits <= self.num_kb):
             raise ValueError(f"config {cfg}: split-K needs a dense problem, tiles of at most "
                              f"{SPLIT_MAX_BLOCK_M} rows, no multicast, one accumulator and at "
                              f"least one of the {self.num_kb} k-blocks a part")
@@ -703,40 +704,43 @@ class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
         return _select_grouped(problem.kind, rows, problem.groups, problem.n, problem.k, facts)
 
 
-def _split_config(c: Candidate, k: int, facts: DeviceFacts) -> Sm90Config:
-    return replace(_config(c, k, facts), two_accum=False, splits=c.splits)
+@functools.lru_cache(maxsize=4096)
+def _select_split(m: int, n: int, k: int, facts: DeviceFacts) -> tuple[Sm90Config, float]:
+    """The cheapest split's config and its modelled time over the dense family's whole tiles'."""
+    split = min(split_candidates(m, n, k, facts), key=_rank)
+    whole = min(candidate_tiles(m, n, k, facts), key=_rank)
+    cfg = replace(_config(split, k, facts), two_accum=False, splits=split.splits)
+    return cfg, split.cost / whole.cost
 
 
 class Sm90Fp8Gemm1d2dSplitK(Sm90Fp8Gemm1d2d):
-    """Dense, K split: the 1D2D kernel with split-K, the parts summed in the kernel. Takes M >= SPLIT_MIN_M and declines where its model
-    gains less than 1 / SPLIT_MIN_GAIN over the dense family's whole tiles."""
+    """Dense, K split: the 1D2D kernel with split-K, the parts summed in the kernel. Takes
+    M >= SPLIT_MIN_M and declines where its model gains less than 1 / SPLIT_MIN_GAIN over the
+    dense family's whole tiles."""
 
     name = "sm90_fp8_gemm_1d2d_split_k"
 
     def supports(self, problem: GemmProblem) -> str | None:
         why = super().supports(problem)
         if why is None and problem.m < SPLIT_MIN_M:
-            why = f"splits K from M = {SPLIT_MIN_M} (smaller M: the small-M family), got M={problem.m}"
+            why = (f"splits K from M = {SPLIT_MIN_M} (smaller M: the small-M family), "
+                   f"got M={problem.m}")
         if why is None and problem.k <= BLOCK_K:
             why = f"needs two k-blocks to split, got K={problem.k}"
         return why
 
     def declines(self, problem: GemmProblem, facts: DeviceFacts) -> str | None:
-        m, n, k = problem.m, problem.n, problem.k
-        split = min(split_candidates(m, n, k, facts), key=_rank)
-        whole = min(candidate_tiles(m, n, k, facts), key=_rank)
-        if split.cost > SPLIT_MIN_GAIN * whole.cost:
-            return (f"modelled {split.cost / whole.cost:.2f} of the whole tiles' time, above "
-                    f"{SPLIT_MIN_GAIN}")
+        ratio = _select_split(problem.m, problem.n, problem.k, facts)[1]
+        if ratio > SPLIT_MIN_GAIN:
+            return f"modelled {ratio:.2f} of the whole tiles' time, above {SPLIT_MIN_GAIN}"
         return None
 
     def select_config(self, problem: GemmProblem, facts: DeviceFacts) -> Sm90Config:
-        return _split_config(min(split_candidates(problem.m, problem.n, problem.k, facts),
-                                 key=_rank), problem.k, facts)
+        return _select_split(problem.m, problem.n, problem.k, facts)[0]
 
     def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[Sm90Config]:
         """Every split config that fits, the chosen one first."""
-        return [_split_config(c, problem.k, facts) for c in
+        return [replace(_config(c, problem.k, facts), two_accum=False, splits=c.splits) for c in
                 sorted(split_candidates(problem.m, problem.n, problem.k, facts), key=_rank)]
 
 
