@@ -456,10 +456,6 @@ __device__ __forceinline__ U32x4 ld_shared_v4(const void* ptr) {
   return v;
 }
 
-__device__ __forceinline__ void st_global_v2_f32(float* ptr, float a, float b) {
-  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
-}
-
 __device__ __forceinline__ void st_global_v4_f32(float* ptr, float a, float b, float c, float d) {
   asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(a), "f"(b), "f"(c),
                "f"(d)
