@@ -704,13 +704,16 @@ class Sm90MGroupedFp8Gemm1d2d(_Sm90Family):
         return _select_grouped(problem.kind, rows, problem.groups, problem.n, problem.k, facts)
 
 
+def _split_config(c: Candidate, k: int, facts: DeviceFacts) -> Sm90Config:
+    return replace(_config(c, k, facts), two_accum=False, splits=c.splits)
+
+
 @functools.lru_cache(maxsize=4096)
 def _select_split(m: int, n: int, k: int, facts: DeviceFacts) -> tuple[Sm90Config, float]:
     """The cheapest split's config and its modelled time over the dense family's whole tiles'."""
     split = min(split_candidates(m, n, k, facts), key=_rank)
     whole = min(candidate_tiles(m, n, k, facts), key=_rank)
-    cfg = replace(_config(split, k, facts), two_accum=False, splits=split.splits)
-    return cfg, split.cost / whole.cost
+    return _split_config(split, k, facts), split.cost / whole.cost
 
 
 class Sm90Fp8Gemm1d2dSplitK(Sm90Fp8Gemm1d2d):
@@ -740,7 +743,7 @@ class Sm90Fp8Gemm1d2dSplitK(Sm90Fp8Gemm1d2d):
 
     def candidate_configs(self, problem: GemmProblem, facts: DeviceFacts) -> list[Sm90Config]:
         """Every split config that fits, the chosen one first."""
-        return [replace(_config(c, problem.k, facts), two_accum=False, splits=c.splits) for c in
+        return [_split_config(c, problem.k, facts) for c in
                 sorted(split_candidates(problem.m, problem.n, problem.k, facts), key=_rank)]
 
 
