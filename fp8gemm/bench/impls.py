@@ -59,6 +59,9 @@ REFERENCE_MAX_FLOPS = 2 * 1024 * 4096 * 7168
 # DeepGEMM encodes its tensor maps in Python on every call (70-170 us of host time, more when
 # the process is busy): the GPU is kept busy at least this long before its start event.
 DEEPGEMM_BUSY_US = 500.0
+# DeepGEMM's smallest tile height: its masked kernel stores whole tiles through one 2-D view of
+# the [G, Mmax, N] output, so Mmax not a multiple of its BLOCK_M spills into the next group.
+DEEPGEMM_MIN_BLOCK_M = 64
 # moe_layer at up to this many tokens is decode: captured in a CUDA graph and replayed.
 GRAPH_MAX_TOKENS = 128
 
@@ -819,6 +822,10 @@ def _deepgemm(data: CaseData) -> Impl:
         out = torch.empty(c.groups, c.mmax, c.n, device=dev, dtype=bf16)
         fn = lambda: dg.m_grouped_gemm_fp8_fp8_bf16_nt_masked(  # noqa: E731
             a, b, out, data.masked_m, c.m)
+        if c.groups > 1 and c.mmax % DEEPGEMM_MIN_BLOCK_M:
+            note = (f"Mmax = {c.mmax} is not a multiple of its BLOCK_M (64 or more): its TMA store "
+                    "writes whole blocks, so a group's tile also writes the next group's first "
+                    "rows (it checks Mmax % BLOCK_M only when Mmax > BLOCK_M)")
     elif c.op == "wgrad":
         b = (data.b, dg.get_col_major_tma_aligned_tensor(data.sb))
         out = torch.zeros(c.m, c.n, device=dev, dtype=torch.float32)
