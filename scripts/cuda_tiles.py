@@ -29,9 +29,10 @@ there a changed block_m also re-derives num_slots, the token tiles per group in 
 Each config runs through the family's public `run`, is checked against the float64 product of
 the dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shape's configs
 and cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
-launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS and the
-speed-up over cuBLAS block-wise of the same run; a config the family refuses is reported, not
-timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows per group, the
+launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS, the
+speed-up over cuBLAS block-wise of the same run and the rate of L2 reads the tiles make (each
+tile's rows of A and B over all of K, over its time: `l2_read_bytes`); a config the family
+refuses is reported, not timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows per group, the
 bench's layouts; sGxMxNxK: the G groups' G * M rows in the moe-skewed suite's skewed sizes) have
 no cuBLAS peer here: the speed-up is over the first variant. DeepGEMM (the bench's `deepgemm`,
 where `import deep_gemm` works) is timed beside them wherever it takes the kind. --kind wgrad
@@ -177,6 +178,21 @@ def tile_count(problem: GemmProblem, cfg) -> int:
     m_tiles = ceil_div(rows, cfg.block_m)
     groups = problem.groups if problem.kind in (GemmKind.MASKED, GemmKind.K_GROUPED) else 1
     return groups * m_tiles * ceil_div(problem.n, cfg.block_n)
+
+
+def l2_read_bytes(problem: GemmProblem, cfg) -> int | None:
+    """Bytes of A and B that `cfg`'s tiles read from L2 (fp8; scales and C left out): each tile
+    its rows of A and of B over all of K, a 2-CTA cluster's shared operand once for the pair.
+    Over the run time, the L2 read rate the config needs (docs/cuda.md, "Where the time goes").
+    None for the k-grouped weight gradient (K differs per expert)."""
+    if problem.kind is GemmKind.K_GROUPED:
+        return None
+    rows = (sm90_fp8_gemm_small_m.expected_rows(problem) if problem.kind is GemmKind.MASKED
+            else problem.m)
+    a, b = min(cfg.block_m, rows), min(cfg.block_n, problem.n)
+    if getattr(cfg, "num_multicast", 1) > 1:
+        a, b = (a / 2, b) if cfg.multicast_on_a else (a, b / 2)
+    return round(tile_count(problem, cfg) * (a + b) * problem.k)
 
 
 def config_smem(cfg, problem: GemmProblem) -> int:
@@ -367,10 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         for x in names:
             speedup = us[peer] / us[x]
             cfg = configs.get(x)
+            l2 = None if cfg is None else l2_read_bytes(problem, cfg)
+            l2_tbs = None if l2 is None else l2 / us[x] / 1e6
             print(f"{shape:>18} {x:>24} {us[x]:9.1f} us {flops / us[x] / 1e6:6.0f} "
-                  f"TFLOPS {speedup:5.2f}x  {cfg if cfg is not None else ''}", flush=True)
+                  f"TFLOPS {speedup:5.2f}x  "
+                  + (f"L2 {l2_tbs:5.2f} TB/s  " if l2_tbs is not None else "")
+                  + f"{cfg if cfg is not None else ''}", flush=True)
             rows.append({"shape": shape, "variant": x, "us": us[x], "peer": peer,
-                         "speedup": speedup,
+                         "speedup": speedup, "l2_read_tbs": l2_tbs,
                          "config": None if cfg is None else dataclasses.asdict(cfg)})
         del data, ref
         torch.cuda.empty_cache()

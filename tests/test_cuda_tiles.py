@@ -229,3 +229,20 @@ def test_main_times_every_variant_right(args, gpu_device, tmp_path, capsys, monk
     for shape in shapes:
         variants = {r["variant"] for r in rows if r["shape"] == shape}
         assert len(variants) >= 2, (shape, variants, printed)
+
+
+def test_l2_read_bytes_counts_each_tile_s_rows_and_a_shared_operand_once_a_pair():
+    """Dense: every tile reads its BLOCK_M rows of A and BLOCK_N of B over all of K (fewer where
+    M or N is smaller than the tile); a 2-CTA cluster loads the shared operand once for both."""
+    p = ct.dense_problem(4096, 512, 32768)
+    cfg = g2.Sm90Config(block_m=128, block_n=128, num_stages=5, num_multicast=1,
+                        multicast_on_a=True, band_size=16, grid=128)
+    assert ct.l2_read_bytes(p, cfg) == 128 * (128 + 128) * 32768
+    on_a = replace(cfg, num_multicast=2, multicast_on_a=True)
+    on_b = replace(cfg, num_multicast=2, multicast_on_a=False)
+    assert ct.l2_read_bytes(p, on_a) == ct.l2_read_bytes(p, on_b) == 128 * (64 + 128) * 32768
+    # M below the tile: only M rows of A a tile
+    assert ct.l2_read_bytes(ct.dense_problem(37, 512, 1024), cfg) == 4 * (37 + 128) * 1024
+    # masked: the expected rows of each group
+    masked = replace(p, kind=GemmKind.MASKED, m=256, groups=4, expected_m=200)
+    assert ct.l2_read_bytes(masked, cfg) == 4 * 2 * 4 * (128 + 128) * 32768
