@@ -26,22 +26,22 @@ takes problems from, or one of `backends.cuda.TRIAL_FAMILIES` against the one it
 `--family sm90_m_grouped_fp8_gemm_1d2d_small_m --kind masked --also sm90_m_grouped_fp8_gemm_1d2d`;
 there a changed block_m also re-derives num_slots, the token tiles per group in the grid).
 
-Each config runs through the family's public `run`, is checked against the float64 product of
-the dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shape's configs
-and cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
-launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS, the
-speed-up over cuBLAS block-wise of the same run and the rate of L2 reads the tiles make (each
-tile's rows of A and B over all of K, over its time: `l2_read_bytes`); a config the family
-refuses is reported, not timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows per group, the
-bench's layouts; sGxMxNxK: the G groups' G * M rows in the moe-skewed suite's skewed sizes) have
-no cuBLAS peer here: the speed-up is over the first variant. DeepGEMM (the bench's `deepgemm`,
-where `import deep_gemm` works) is timed beside them wherever it takes the kind. --kind wgrad
-is the weight gradient of the bench's backward suite (both operands in 1x128 groups, accumulated
-into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which writes out); where
-cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant too. --kind
-k_grouped_wgrad (--family sm90_k_grouped_fp8_gemm_1d1d; shapes GxMxNxK, K the tokens of each of
-the G experts, sGxMxNxK the backward-skewed suite's token counts of mean K) is the MoE weight
-gradient of the bench, timed against the per-expert cuBLAS loop (cublas-block-loop).
+Each config runs through the family's public `run`, is checked against the float64 product of the
+dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shape's configs and
+cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
+launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS, the speed-up
+over cuBLAS block-wise of the same run and the rate of L2 reads the tiles make (each tile's rows
+of A and B over all of K, over its time: `l2_read_bytes`); a config the family refuses is
+reported, not timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows
+per group, the bench's layouts; sGxMxNxK: the G groups' G * M rows in the moe-skewed suite's
+skewed sizes) have no cuBLAS peer here: the speed-up is over the first variant. DeepGEMM (the
+bench's `deepgemm`, where `import deep_gemm` works) is timed beside them wherever it takes the
+kind. --kind wgrad is the weight gradient of the bench's backward suite (both operands in 1x128
+groups, accumulated into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which
+writes out); where cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant
+too. --kind k_grouped_wgrad (--family sm90_k_grouped_fp8_gemm_1d1d; shapes GxMxNxK, K the tokens
+of each of the G experts, sGxMxNxK the backward-skewed suite's token counts of mean K) is the MoE
+weight gradient of the bench, timed against the per-expert cuBLAS loop (cublas-block-loop).
 
 --headers NAME=DIR (comma-separated, repeatable names not allowed) also times every variant
 built from another copy of the kernels' headers, as `VARIANT@NAME`, in the same run: the
