@@ -907,3 +907,23 @@ def test_case_problem_rows_are_the_data_rows():
         data = impls.make_data(case, cpu)
         rows = data.a.shape[1] if op == "masked" else data.a.shape[0]
         assert impls.case_problem(case).m == rows, op
+
+
+def test_geomeans_leave_wrong_results_out_and_count_them():
+    """A wrong result's speed-up is not averaged in (DeepGEMM's masked GEMM at Mmax = 32 with
+    several experts writes the next expert's rows): its shape is left out and counted."""
+    rows = _synthetic_rows()
+    rows[1]["diff"] = 0.13  # fp8gemm-triton at M = 64: wrong, ratio 2
+    gm = {(g["suite"], g["op"], g["impl"], g["range"]): g for g in report.geomeans(rows)}
+    tri = gm[("deepseek-dense", "dense", "fp8gemm-triton", "all")]
+    assert tri["geomean"] == pytest.approx((2.0 * 1.2) ** 0.5)
+    assert (tri["count"], tri["wrong"]) == (2, 1)
+    small = gm[("deepseek-dense", "dense", "fp8gemm-triton", "M<=128")]
+    assert (small["count"], small["wrong"]) == (1, 1) and small["geomean"] == pytest.approx(2.0)
+    assert gm[("deepseek-dense", "dense", "cublas-block", "all")]["wrong"] == 0
+    md = report.summary_markdown(report.make_doc(META, rows))
+    assert "(2; 1 WRONG left out)" in md
+    # every result of an impl wrong: no geometric mean for it
+    rows[3]["diff"] = rows[5]["diff"] = None  # (make_row stores a NaN diff as None)
+    assert all(g["impl"] != "fp8gemm-triton" or g["suite"] != "deepseek-dense"
+               for g in report.geomeans(rows))

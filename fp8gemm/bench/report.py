@@ -199,17 +199,25 @@ def _bucket(r: dict) -> str:
 
 def geomeans(rows: list[dict]) -> list[dict]:
     """Geometric mean of the speed-up over the baseline, for each (suite, op, impl): over all
-    shapes ("all") and over each M range. [{suite, op, impl, range, geomean, count}]."""
+    shapes ("all") and over each M range. A wrong result's speed is no speed: its shapes are
+    left out and counted. [{suite, op, impl, range, geomean, count, wrong}], for the groups with
+    at least one right result."""
     rat = ratios(rows)
     groups: dict[tuple, list[float]] = defaultdict(list)
+    wrong: dict[tuple, int] = defaultdict(int)
     for i, r in enumerate(rows):
         if i in rat:
-            groups[(r["suite"], r["op"], r["impl"], "all")].append(rat[i])
-            groups[(r["suite"], r["op"], r["impl"], _bucket(r))].append(rat[i])
+            for rng in ("all", _bucket(r)):
+                key = (r["suite"], r["op"], r["impl"], rng)
+                if is_wrong(r):
+                    wrong[key] += 1
+                else:
+                    groups[key].append(rat[i])
     out = []
     for (suite, op, impl, rng), xs in groups.items():
         out.append({"suite": suite, "op": op, "impl": impl, "range": rng,
-                    "geomean": geomean(xs), "count": len(xs)})
+                    "geomean": geomean(xs), "count": len(xs),
+                    "wrong": wrong[(suite, op, impl, rng)]})
     return sorted(out, key=lambda g: (_order(g["suite"], _SUITE_ORDER), _order(g["op"], _OP_ORDER),
                                       _order(g["impl"], IMPL_ORDER),
                                       ("all", f"M<={_SMALL_M}", f"M>{_SMALL_M}").index(g["range"])))
@@ -341,11 +349,12 @@ def _floor_detail(rows: list[dict], suite: str, op: str, indices: list[int]) -> 
 
 def _floor_geomeans(rows: list[dict], suite: str, op: str, indices: list[int]) -> str:
     """N x K down, impls across: the geometric mean of µs / floor over M <= 128 and over every
-    M (lower is better; 1 is the floor)."""
+    M (lower is better; 1 is the floor), wrong results left out."""
     impls = _impls(rows, indices)
 
     def cell(idx: list[int], impl: str) -> str:
         xs = {rng: [rows[i]["us"] / floor_us(rows[i]) for i in idx if rows[i]["impl"] == impl
+                    and not is_wrong(rows[i])
                     and (rng == "all" or rows[i]["shape"]["m"] <= _SMALL_M)]
               for rng in ("small", "all")}
         if not xs["all"]:
@@ -393,7 +402,9 @@ def _geomean_table(rows: list[dict]) -> str:
         table.setdefault((g["suite"], g["op"], g["impl"]), {})[g["range"]] = g
     body = []
     for (suite, op, impl), by in table.items():
-        cells = [f"{by[r]['geomean']:.3f} ({by[r]['count']})" if r in by else "—" for r in ranges]
+        cells = [f"{by[r]['geomean']:.3f} ({by[r]['count']}"
+                 + (f"; {by[r]['wrong']} WRONG left out)" if by[r]["wrong"] else ")")
+                 if r in by else "—" for r in ranges]
         body.append([suite, op, impl] + cells)
     return _table(["suite", "op", "impl"] + [f"{r} (shapes)" for r in ranges], body,
                   ["---"] * 3 + ["---:"] * 3)
@@ -433,7 +444,8 @@ def method_text() -> str:
         f"floor, bytes / {FLOOR_BYTES_PER_US / 1e6:g} TB/s + {FLOOR_FIXED_US:g} µs (the H200's "
         "measured copy bandwidth and an almost-empty kernel timed this way). WRONG: NaN, or "
         f"diff above {_WRONG_EXACT:g} "
-        f"({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others). × = speed-up over the "
+        f"({', '.join(_EXACT_IMPLS)}) or {_WRONG_OTHER:g} (the others); the geometric means "
+        "leave WRONG results out and say how many. × = speed-up over the "
         "baseline peer of the same run: "
         + ", ".join(f"{op}: {impl}" for op, impl in BASELINE.items())
         + ". Shapes are M×N×K of D [M, N] = A [M, K] . B [N, K]^T: for a layer with weight "
