@@ -924,6 +924,6 @@ def test_geomeans_leave_wrong_results_out_and_count_them():
     md = report.summary_markdown(report.make_doc(META, rows))
     assert "(2; 1 WRONG left out)" in md
     # every result of an impl wrong: no geometric mean for it
-    rows[3]["diff"] = rows[5]["diff"] = None  # (make_row stores a NaN diff as None)
+    rows[3]["diff"], rows[5]["diff"] = None, float("nan")  # (make_row stores NaN as None)
     assert all(g["impl"] != "fp8gemm-triton" or g["suite"] != "deepseek-dense"
                for g in report.geomeans(rows))
