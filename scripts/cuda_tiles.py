@@ -172,10 +172,14 @@ def grouped_problem(kind: GemmKind, data, groups: int, m: int, n: int, k: int) -
                        torch.bfloat16, expected_m=m if kind is GemmKind.MASKED else 0)
 
 
-def tile_count(problem: GemmProblem, cfg) -> int:
-    rows = (sm90_fp8_gemm_small_m.expected_rows(problem) if problem.kind is GemmKind.MASKED
+def tile_rows(problem: GemmProblem) -> int:
+    """Rows the tiles of one group cover: masked, the expected rows; else M."""
+    return (sm90_fp8_gemm_small_m.expected_rows(problem) if problem.kind is GemmKind.MASKED
             else problem.m)
-    m_tiles = ceil_div(rows, cfg.block_m)
+
+
+def tile_count(problem: GemmProblem, cfg) -> int:
+    m_tiles = ceil_div(tile_rows(problem), cfg.block_m)
     groups = problem.groups if problem.kind in (GemmKind.MASKED, GemmKind.K_GROUPED) else 1
     return groups * m_tiles * ceil_div(problem.n, cfg.block_n)
 
@@ -187,9 +191,7 @@ def l2_read_bytes(problem: GemmProblem, cfg) -> int | None:
     None for the k-grouped weight gradient (K differs per expert)."""
     if problem.kind is GemmKind.K_GROUPED:
         return None
-    rows = (sm90_fp8_gemm_small_m.expected_rows(problem) if problem.kind is GemmKind.MASKED
-            else problem.m)
-    a, b = min(cfg.block_m, rows), min(cfg.block_n, problem.n)
+    a, b = min(cfg.block_m, tile_rows(problem)), min(cfg.block_n, problem.n)
     if getattr(cfg, "num_multicast", 1) > 1:
         a, b = (a / 2, b) if cfg.multicast_on_a else (a, b / 2)
     return round(tile_count(problem, cfg) * (a + b) * problem.k)

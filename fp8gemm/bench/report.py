@@ -207,9 +207,10 @@ def geomeans(rows: list[dict]) -> list[dict]:
     wrong: dict[tuple, int] = defaultdict(int)
     for i, r in enumerate(rows):
         if i in rat:
+            bad = is_wrong(r)
             for rng in ("all", _bucket(r)):
                 key = (r["suite"], r["op"], r["impl"], rng)
-                if is_wrong(r):
+                if bad:
                     wrong[key] += 1
                 else:
                     groups[key].append(rat[i])
