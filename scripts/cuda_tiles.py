@@ -39,9 +39,10 @@ bench's `deepgemm`, where `import deep_gemm` works) is timed beside them whereve
 kind. --kind wgrad is the weight gradient of the bench's backward suite (both operands in 1x128
 groups, accumulated into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which
 writes out); where cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant
-too. --kind k_grouped_wgrad (--family sm90_k_grouped_fp8_gemm_1d1d; shapes GxMxNxK, K the tokens
-of each of the G experts, sGxMxNxK the backward-skewed suite's token counts of mean K) is the MoE
-weight gradient of the bench, timed against the per-expert cuBLAS loop (cublas-block-loop).
+too; --kind wgrad_no_c writes the same product to out (no c), as cuBLAS does. --kind
+k_grouped_wgrad (--family sm90_k_grouped_fp8_gemm_1d1d; shapes GxMxNxK, K the tokens of each of
+the G experts, sGxMxNxK the backward-skewed suite's token counts of mean K) is the MoE weight
+gradient of the bench, timed against the per-expert cuBLAS loop (cublas-block-loop).
 
 --headers NAME=DIR (comma-separated, repeatable names not allowed) also times every variant
 built from another copy of the kernels' headers, as `VARIANT@NAME`, in the same run: the
@@ -95,12 +96,12 @@ def dense_problem(m: int, n: int, k: int) -> GemmProblem:
                        torch.bfloat16)
 
 
-def wgrad_problem(m: int, n: int, k: int) -> GemmProblem:
+def wgrad_problem(m: int, n: int, k: int, in_place: bool = True) -> GemmProblem:
     """A dense e4m3 weight gradient as the bench's backward suite runs it: A and B in 1x128
-    groups, accumulated into fp32 out in place (c = out)."""
+    groups, accumulated into fp32 out in place (c = out); `in_place` False: out written."""
     e4m3 = torch.float8_e4m3fn
     return GemmProblem(GemmKind.DENSE, m, n, k, 1, e4m3, e4m3, Recipe.GROUP, Recipe.GROUP,
-                       torch.float32, has_c=True)
+                       torch.float32, has_c=in_place)
 
 
 # The modules whose plans compile kernels, and those that name the include folder (the small-M
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"one of {', '.join(f.name for f in FAMILIES + TRIAL_FAMILIES)}")
     ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
                                                          if k is not GemmKind.K_GROUPED]
-                    + ["wgrad", "k_grouped_wgrad"])
+                    + ["wgrad", "wgrad_no_c", "k_grouped_wgrad"])
     ap.add_argument("--shapes", default=M4096,
                     help="comma-separated MxNxK (grouped: GxMxNxK, sGxMxNxK skewed)")
     ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
@@ -276,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     facts = DeviceFacts.of(dev)
     timer = DeviceTimer(dev)
     k_grouped = args.kind == "k_grouped_wgrad"
-    wgrad = args.kind == "wgrad" or k_grouped  # out += A . B^T in fp32, in place
+    wgrad = args.kind in ("wgrad", "wgrad_no_c") or k_grouped  # fp32 out of A . B^T
+    in_place = wgrad and args.kind != "wgrad_no_c"  # out += A . B^T (c = out)
+    op = "wgrad" if wgrad and not k_grouped else args.kind  # the bench's data
     kind = (GemmKind.K_GROUPED if k_grouped else GemmKind.DENSE if wgrad
             else GemmKind(args.kind))
     dense = kind is GemmKind.DENSE
@@ -291,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         g, (m, n, k) = (1, dims) if dense else (dims[0], dims[1:])
         sizes = () if not skewed else (backward_skewed_sizes(g, k) if k_grouped
                                        else skewed_sizes(g * m, g))
-        data = make_data(Case("tiles", args.kind, m, n, k, groups=g, sizes=sizes), dev)
+        data = make_data(Case("tiles", op, m, n, k, groups=g, sizes=sizes), dev)
         if k_grouped:
             problem = case_problem(data.case)
             *operands, index = k_grouped_operands(data)  # index: ks
         else:
             problem = (grouped_problem(kind, data, g, m, n, k) if not dense
-                       else wgrad_problem(m, n, k) if wgrad else dense_problem(m, n, k))
+                       else wgrad_problem(m, n, k, in_place) if wgrad else dense_problem(m, n, k))
             operands = (data.a, data.sa, data.b, data.sb)
             index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
                      GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
@@ -339,15 +342,15 @@ def main(argv: list[str] | None = None) -> int:
                 if "@" not in x:
                     configs[f"{x}@{h}"], runner[f"{x}@{h}"] = c, runner[x]
         for name, cfg in configs.items():
-            # (wgrad: out += A . B^T, so out starts at zero; otherwise poisoned)
-            out = torch.full(out_shape, 0.0 if wgrad else float("nan"), dtype=out_dtype,
+            # (in place: out += A . B^T, so out starts at zero; otherwise poisoned)
+            out = torch.full(out_shape, 0.0 if in_place else float("nan"), dtype=out_dtype,
                              device=dev)
             h = name.partition("@")[2]
 
             def fn(cfg=cfg, out=out, h=h, f=runner[name]):
                 with (kernel_headers(headers[h], header_caches[h]) if h
                       else contextlib.nullcontext()):
-                    f.run(cfg, problem, *operands, out, out if wgrad else None, index)
+                    f.run(cfg, problem, *operands, out, out if in_place else None, index)
 
             try:
                 fn()

@@ -128,6 +128,7 @@ def test_parse_variant_names_the_fields():
     assert ct.parse_variant("block_n=128+two_accum=1", g1.Sm90Config1d1d) == {
         "block_n": 128, "two_accum": True}
     assert torch.float32 == ct.wgrad_problem(8, 8, 8).out_dtype
+    assert ct.wgrad_problem(8, 8, 8).has_c and not ct.wgrad_problem(8, 8, 8, False).has_c
 
 
 def _copy_headers(root):
