@@ -76,7 +76,8 @@ __device__ __forceinline__ void promote_groups(float (&fin)[kNumAccum], float (&
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
-sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
+sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
+                          const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
@@ -158,19 +159,17 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __r
       const uint32_t stage_tx_bytes =
           a_rows * BLOCK_K + Layout::SMEM_B + (BLOCK_M + BLOCK_N) * 4;
       // c's tile is read only by the epilogue; its rows are brought into L2 when the producer
-      // reaches the tile's second-to-last k-block, up to a ring of stages ahead of the math
-      // warps (whole 16-byte units: N % 4 == 0 and c on 16 bytes), so that the epilogue's
-      // reductions hit L2 rather than wait for HBM with the tensor cores idle.
-      // NOTE: on the H200, against no prefetch: 2112x7168x4096 -6 %, 7168x2048x1000 -3 %,
-      // 24576x1536x4096 +3 %, 7168x2048x4096 +1 %; prefetched at the tile's second k-block
-      // instead (longer in L2 beside the streaming A and B), the last two lost 3-4 %.
+      // reaches the tile's k-block c_lead before its end (the first where the tile is shorter),
+      // up to a ring of stages ahead of the math warps (whole 16-byte units: N % 4 == 0 and c on
+      // 16 bytes), so that the epilogue's reductions hit L2 rather than wait for HBM with the
+      // tensor cores idle. (The host's C_LEAD says how the lead was chosen.)
       const bool prefetch_c = SHAPE_N % 4 == 0 && c != nullptr &&
                               reinterpret_cast<uint64_t>(c) % 16 == 0;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
         for (uint32_t i = 0; i < tile.num_kb; ++i) {
-          if (prefetch_c && i + 2 == (tile.num_kb > 2 ? tile.num_kb : 2)) {
+          if (prefetch_c && i == (tile.num_kb > c_lead ? tile.num_kb - c_lead : 0)) {
             const uint32_t rows = min(BLOCK_M, shape_m - static_cast<uint32_t>(m0));
             const uint32_t bytes = min(BLOCK_N, SHAPE_N - static_cast<uint32_t>(n0)) * 4;
             const float* src = c + (static_cast<uint64_t>(tile.group) * shape_m + m0) * SHAPE_N + n0;
