@@ -39,7 +39,8 @@ bench's `deepgemm`, where `import deep_gemm` works) is timed beside them whereve
 kind. --kind wgrad is the weight gradient of the bench's backward suite (both operands in 1x128
 groups, accumulated into fp32 out in place), timed against cuBLAS block-wise 1x128 x 1x128 (which
 writes out); where cuBLAS cannot run a shape (K % 16), the speed-up is over the first variant
-too; --kind wgrad_no_c writes the same product to out (no c), as cuBLAS does. --kind
+too; --kind wgrad_no_c writes the same product to out (no c), as cuBLAS does, and wgrad_c adds
+a c of its own (zeros), read and added by the epilogue rather than reduced into out. --kind
 k_grouped_wgrad (--family sm90_k_grouped_fp8_gemm_1d1d; shapes GxMxNxK, K the tokens of each of
 the G experts, sGxMxNxK the backward-skewed suite's token counts of mean K) is the MoE weight
 gradient of the bench, timed against the per-expert cuBLAS loop (cublas-block-loop).
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"one of {', '.join(f.name for f in FAMILIES + TRIAL_FAMILIES)}")
     ap.add_argument("--kind", default="dense", choices=[k.value for k in GemmKind
                                                          if k is not GemmKind.K_GROUPED]
-                    + ["wgrad", "wgrad_no_c", "k_grouped_wgrad"])
+                    + ["wgrad", "wgrad_no_c", "wgrad_c", "k_grouped_wgrad"])
     ap.add_argument("--shapes", default=M4096,
                     help="comma-separated MxNxK (grouped: GxMxNxK, sGxMxNxK skewed)")
     ap.add_argument("--variants", default="base", help="comma-separated variants (see above)")
@@ -277,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     facts = DeviceFacts.of(dev)
     timer = DeviceTimer(dev)
     k_grouped = args.kind == "k_grouped_wgrad"
-    wgrad = args.kind in ("wgrad", "wgrad_no_c") or k_grouped  # fp32 out of A . B^T
-    in_place = wgrad and args.kind != "wgrad_no_c"  # out += A . B^T (c = out)
+    wgrad = args.kind.startswith("wgrad") or k_grouped  # fp32 out of A . B^T
+    in_place = args.kind in ("wgrad", "k_grouped_wgrad")  # out += A . B^T (c = out)
+    separate_c = args.kind == "wgrad_c"  # out = c + A . B^T, c zeros of its own
     op = "wgrad" if wgrad and not k_grouped else args.kind  # the bench's data
     kind = (GemmKind.K_GROUPED if k_grouped else GemmKind.DENSE if wgrad
             else GemmKind(args.kind))
@@ -300,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             *operands, index = k_grouped_operands(data)  # index: ks
         else:
             problem = (grouped_problem(kind, data, g, m, n, k) if not dense
-                       else wgrad_problem(m, n, k, in_place) if wgrad else dense_problem(m, n, k))
+                       else wgrad_problem(m, n, k, in_place or separate_c) if wgrad
+                       else dense_problem(m, n, k))
             operands = (data.a, data.sa, data.b, data.sb)
             index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
                      GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
@@ -345,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
             # (in place: out += A . B^T, so out starts at zero; otherwise poisoned)
             out = torch.full(out_shape, 0.0 if in_place else float("nan"), dtype=out_dtype,
                              device=dev)
+            c = out if in_place else torch.zeros_like(out) if separate_c else None
             h = name.partition("@")[2]
 
-            def fn(cfg=cfg, out=out, h=h, f=runner[name]):
+            def fn(cfg=cfg, out=out, c=c, h=h, f=runner[name]):
                 with (kernel_headers(headers[h], header_caches[h]) if h
                       else contextlib.nullcontext()):
-                    f.run(cfg, problem, *operands, out, out if in_place else None, index)
+                    f.run(cfg, problem, *operands, out, c, index)
 
             try:
                 fn()

@@ -132,6 +132,7 @@ class Sm90Config1d1d:
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
     c_lead: int = C_LEAD  # k-blocks before a tile's end at which c's tile is prefetched to L2
+    c_reduce: bool = True  # in place (c is out): L2 reductions; False: c loaded, added, stored
 
     @property
     def num_threads(self) -> int:
@@ -147,7 +148,8 @@ class Sm90Config1d1d:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
                 + (" two-accum" if self.two_accum else "")
-                + (f" c-lead={self.c_lead}" if self.c_lead != C_LEAD else ""))
+                + (f" c-lead={self.c_lead}" if self.c_lead != C_LEAD else "")
+                + ("" if self.c_reduce else " c-loads"))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -319,7 +321,7 @@ class Sm90Plan1d1d:
         map_sb = tm.get(torch.float32, sb.data_ptr(), (n, kb), (align(n, 4) * 4,),
                         (cfg.block_n, 1))
         pack = jit.ParamPack([ctypes.c_uint32(m), ctypes.c_uint32(self.k),
-                              ctypes.c_uint32(cfg.c_lead),
+                              ctypes.c_uint32(cfg.c_lead), ctypes.c_uint32(cfg.c_reduce),
                               ctypes.c_uint64(0 if ks is None else ks.data_ptr()),
                               ctypes.c_uint32(self.groups),
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),
