@@ -31,7 +31,8 @@ dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shap
 cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
 launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS, the speed-up
 over cuBLAS block-wise of the same run and the rate of L2 reads the tiles make (each tile's rows
-of A and B over all of K, over its time: `l2_read_bytes`); a config the family refuses is
+of A and B over all of K, over its time: `l2_read_bytes`; weight gradients: also the rate of
+their fp32 output traffic, out written and c read); a config the family refuses is
 reported, not timed. Grouped kinds (--kind contiguous, offsets, masked; shapes GxMxNxK, M rows
 per group, the bench's layouts; sGxMxNxK: the G groups' G * M rows in the moe-skewed suite's
 skewed sizes) have no cuBLAS peer here: the speed-up is over the first variant. DeepGEMM (the
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         us = {x: median(t) for x, t in zip(names, times)}
         # data rows only (no padding, no rows past masked_m); k-grouped: every expert's tokens
         flops = 2 * m * n * sum(data.case.group_sizes) if k_grouped else 2 * ref.shape[0] * n * k
+        # fp32 output traffic of the weight gradients: out written, and c read where there is one
+        out_bytes = (2 if in_place or separate_c else 1) * 4 * ref.numel() if wgrad else None
         for x in names:
             speedup = us[peer] / us[x]
             cfg = configs.get(x)
@@ -397,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape:>18} {x:>24} {us[x]:9.1f} us {flops / us[x] / 1e6:6.0f} "
                   f"TFLOPS {speedup:5.2f}x  "
                   + (f"L2 {l2_tbs:5.2f} TB/s  " if l2_tbs is not None else "")
+                  + (f"out {out_bytes / us[x] / 1e6:5.2f} TB/s  " if out_bytes else "")
                   + f"{cfg if cfg is not None else ''}", flush=True)
             rows.append({"shape": shape, "variant": x, "us": us[x], "peer": peer,
                          "speedup": speedup, "l2_read_tbs": l2_tbs,
