@@ -98,12 +98,12 @@ def dense_problem(m: int, n: int, k: int) -> GemmProblem:
                        torch.bfloat16)
 
 
-def wgrad_problem(m: int, n: int, k: int, in_place: bool = True) -> GemmProblem:
+def wgrad_problem(m: int, n: int, k: int, has_c: bool = True) -> GemmProblem:
     """A dense e4m3 weight gradient as the bench's backward suite runs it: A and B in 1x128
-    groups, accumulated into fp32 out in place (c = out); `in_place` False: out written."""
+    groups, fp32 out, c added (the suite's c is out itself); `has_c` False: out written."""
     e4m3 = torch.float8_e4m3fn
     return GemmProblem(GemmKind.DENSE, m, n, k, 1, e4m3, e4m3, Recipe.GROUP, Recipe.GROUP,
-                       torch.float32, has_c=in_place)
+                       torch.float32, has_c=has_c)
 
 
 # The modules whose plans compile kernels, and those that name the include folder (the small-M

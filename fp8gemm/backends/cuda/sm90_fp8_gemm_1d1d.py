@@ -93,10 +93,10 @@ SHALLOW_RING_COST = 1.07
 # X^T e4m3): one more wgmma type (`.e5m2.e4m3`), the same pipeline.
 A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # NOTE: the producer prefetches c's tile into L2 C_LEAD k-blocks before the tile's end (the
-# kernel's c_lead), a ring of stages ahead of the math warps. On the H200 at 4096 tokens, against
-# no prefetch: 2112x7168x4096 -6 %, 7168x2048x1000 -3 %, 24576x1536x4096 +3 %, 7168x2048x4096
-# +1 %; prefetched at the tile's second k-block instead (longer in L2 beside the streaming A and
-# B), the last two lost 3-4 %.
+# kernel's c_lead), a ring of stages ahead of the math warps. On the H200, in place, against no
+# prefetch: 2112x7168x4096 -6 %, 7168x2048x1000 -3 %, 24576x1536x4096 +3 %, 7168x2048x4096 +1 %;
+# prefetched at the tile's second k-block instead (longer in L2 beside the streaming A and B),
+# the last two lost 3-4 %.
 C_LEAD = 2
 
 
