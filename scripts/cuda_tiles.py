@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     wgrad = args.kind.startswith("wgrad") or k_grouped  # fp32 out of A . B^T
     in_place = args.kind in ("wgrad", "k_grouped_wgrad")  # out += A . B^T (c = out)
     separate_c = args.kind == "wgrad_c"  # out = c + A . B^T, c zeros of its own
+    has_c = in_place or separate_c
     op = "wgrad" if wgrad and not k_grouped else args.kind  # the bench's data
     kind = (GemmKind.K_GROUPED if k_grouped else GemmKind.DENSE if wgrad
             else GemmKind(args.kind))
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             *operands, index = k_grouped_operands(data)  # index: ks
         else:
             problem = (grouped_problem(kind, data, g, m, n, k) if not dense
-                       else wgrad_problem(m, n, k, in_place or separate_c) if wgrad
+                       else wgrad_problem(m, n, k, has_c) if wgrad
                        else dense_problem(m, n, k))
             operands = (data.a, data.sa, data.b, data.sb)
             index = {GemmKind.DENSE: None, GemmKind.CONTIGUOUS: data.m_indices,
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         # data rows only (no padding, no rows past masked_m); k-grouped: every expert's tokens
         flops = 2 * m * n * sum(data.case.group_sizes) if k_grouped else 2 * ref.shape[0] * n * k
         # fp32 output traffic of the weight gradients: out written, and c read where there is one
-        out_bytes = (2 if in_place or separate_c else 1) * 4 * ref.numel() if wgrad else None
+        out_bytes = (2 if has_c else 1) * 4 * ref.numel() if wgrad else None
         for x in names:
             speedup = us[peer] / us[x]
             cfg = configs.get(x)
