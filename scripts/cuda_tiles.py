@@ -311,11 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                      GemmKind.OFFSETS: data.offsets, GemmKind.MASKED: data.masked_m}[kind]
         out_shape = (g, m, n) if k_grouped else data.a.shape[:-1] + (n,)
         why = fam.supports(problem)
+        try:
+            base = fam.select_config(problem, facts) if why is None else None
+        except ValueError as e:  # (a trial family with no config for the problem: small-M)
+            why = str(e)
         if why is not None:
             print(f"{shape}: {fam.name} does not run it: {why}", flush=True)
             continue
         ref = reference_output(data)
-        base = fam.select_config(problem, facts)
         candidates = fam.candidate_configs(problem, facts)
         max_stages = max(c.num_stages for c in candidates + [base])
         configs = {}  # name -> config, each config once

@@ -150,16 +150,6 @@ def test_config_is_pure_cached_and_k_independent():
     hash(few) and str(few)
 
 
-def test_c_options_default_and_shown():
-    """The heuristic keeps c's prefetch lead and the in-place reductions at their defaults; a
-    config that changes them says so where FP8GEMM_PRINT_CONFIGS prints it."""
-    cfg = g.DENSE.select_config(problem(4096, 7168, 1000, has_c=True), H200)
-    assert (cfg.c_lead, cfg.c_reduce) == (g.C_LEAD, True)
-    assert "c-" not in str(cfg)
-    assert "c-lead=64" in str(replace(cfg, c_lead=64))
-    assert "c-loads" in str(replace(cfg, c_reduce=False))
-
-
 def test_print_configs_names_the_family(monkeypatch, capsys):
     class FakePlan:
         def __init__(self, prob, device_index, cfg):
@@ -407,21 +397,6 @@ def test_matches_float64(m, n, k, c_mode, gpu_device):
         _run(a, sa, b, sb, out, c if c_mode == "separate" else None)
     ref = _reference(a, sa, b, sb, None if c_mode == "none" else c)
     assert_close_diff(out, ref, TENSOR_CORE_FP32_DIFF, f"{m}x{n}x{k} c={c_mode}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(300, 200, 1000), (129, 131, 4096), (37, 131, 7)])
-@pytest.mark.parametrize("c_lead,c_reduce", [(0, True), (64, True), (2, False), (64, False)])
-def test_c_paths_in_place(m, n, k, c_lead, c_reduce, gpu_device):
-    """In place (c is out) through either epilogue, L2 reductions or c loaded, added and stored,
-    with c's prefetch at any k-block of the tile (0: the last; 64: the first at these K)."""
-    a, sa, b, sb = _operands(m, n, k, gpu_device)
-    c = torch.randn(m, n, device=gpu_device) * 64
-    p = problem(m, n, k, has_c=True)
-    cfg = replace(g.DENSE.config_for(p, gpu_device), c_lead=c_lead, c_reduce=c_reduce)
-    out = c.clone()
-    _run(a, sa, b, sb, out, out, cfg)
-    assert_close_diff(out, _reference(a, sa, b, sb, c), TENSOR_CORE_FP32_DIFF, str(cfg))
 
 
 @pytest.mark.gpu

@@ -92,12 +92,6 @@ SHALLOW_RING_COST = 1.07
 # NOTE: A may be e5m2 (a gradient quantised with grad_format="e5m2": dW = dY^T . X, dY^T e5m2,
 # X^T e4m3): one more wgmma type (`.e5m2.e4m3`), the same pipeline.
 A_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# NOTE: the producer prefetches c's tile into L2 C_LEAD k-blocks before the tile's end (the
-# kernel's c_lead), a ring of stages ahead of the math warps. On the H200, in place, against no
-# prefetch: 2112x7168x4096 -6 %, 7168x2048x1000 -3 %, 24576x1536x4096 +3 %, 7168x2048x4096 +1 %;
-# prefetched at the tile's second k-block instead (longer in L2 beside the streaming A and B),
-# the last two lost 3-4 %.
-C_LEAD = 2
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -131,8 +125,6 @@ class Sm90Config1d1d:
     band_size: int
     grid: int  # persistent CTAs
     two_accum: bool = False  # two accumulators: the next k-block's wgmma runs under a promotion
-    c_lead: int = C_LEAD  # k-blocks before a tile's end at which c's tile is prefetched to L2
-    c_reduce: bool = True  # in place (c is out): L2 reductions; False: c loaded, added, stored
 
     @property
     def num_threads(self) -> int:
@@ -147,9 +139,7 @@ class Sm90Config1d1d:
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{BLOCK_K} stages={self.num_stages} "
                 f"grid={self.grid} threads={self.num_threads}"
-                + (" two-accum" if self.two_accum else "")
-                + (f" c-lead={self.c_lead}" if self.c_lead != C_LEAD else "")
-                + ("" if self.c_reduce else " c-loads"))
+                + (" two-accum" if self.two_accum else ""))
 
 
 # --- heuristic -------------------------------------------------------------------------------------
@@ -321,7 +311,6 @@ class Sm90Plan1d1d:
         map_sb = tm.get(torch.float32, sb.data_ptr(), (n, kb), (align(n, 4) * 4,),
                         (cfg.block_n, 1))
         pack = jit.ParamPack([ctypes.c_uint32(m), ctypes.c_uint32(self.k),
-                              ctypes.c_uint32(cfg.c_lead), ctypes.c_uint32(cfg.c_reduce),
                               ctypes.c_uint64(0 if ks is None else ks.data_ptr()),
                               ctypes.c_uint32(self.groups),
                               ctypes.c_uint64(0 if c is None else c.data_ptr()),

@@ -76,8 +76,7 @@ __device__ __forceinline__ void promote_groups(float (&fin)[kNumAccum], float (&
 template <bool kKGrouped, uint32_t SHAPE_N, uint32_t BLOCK_M, uint32_t BLOCK_N,
           uint32_t kNumStages, uint32_t kBandSize, bool kTwoAccum, bool kAE5M2>
 __global__ void __launch_bounds__(Sm90Fp8Gemm1d1dLayout<BLOCK_M, BLOCK_N, kNumStages>::kNumMathThreads + 128, 1)
-sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
-                          uint32_t c_reduce, const int32_t* __restrict__ ks,
+sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, const int32_t* __restrict__ ks,
                           uint32_t num_groups, const float* c, float* out,
                           const __grid_constant__ TmaDescriptor tmap_a,
                           const __grid_constant__ TmaDescriptor tmap_b,
@@ -159,17 +158,19 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
       const uint32_t stage_tx_bytes =
           a_rows * BLOCK_K + Layout::SMEM_B + (BLOCK_M + BLOCK_N) * 4;
       // c's tile is read only by the epilogue; its rows are brought into L2 when the producer
-      // reaches the tile's k-block c_lead before its end (the first where the tile is shorter),
-      // up to a ring of stages ahead of the math warps (whole 16-byte units: N % 4 == 0 and c on
-      // 16 bytes), so that the epilogue's reductions hit L2 rather than wait for HBM with the
-      // tensor cores idle. (The host's C_LEAD says how the lead was chosen.)
+      // reaches the tile's second-to-last k-block, up to a ring of stages ahead of the math
+      // warps (whole 16-byte units: N % 4 == 0 and c on 16 bytes), so that the epilogue's
+      // reductions hit L2 rather than wait for HBM with the tensor cores idle.
+      // NOTE: on the H200, against no prefetch: 2112x7168x4096 -6 %, 7168x2048x1000 -3 %,
+      // 24576x1536x4096 +3 %, 7168x2048x4096 +1 %; prefetched at the tile's second k-block
+      // instead (longer in L2 beside the streaming A and B), the last two lost 3-4 %.
       const bool prefetch_c = SHAPE_N % 4 == 0 && c != nullptr &&
                               reinterpret_cast<uint64_t>(c) % 16 == 0;
       uint32_t stage = 0, phase = 0;
       while (scheduler.next(tile)) {
         const int32_t m0 = tile.m0, n0 = static_cast<int32_t>(tile.n_block * BLOCK_N);
         for (uint32_t i = 0; i < tile.num_kb; ++i) {
-          if (prefetch_c && i == (tile.num_kb > c_lead ? tile.num_kb - c_lead : 0)) {
+          if (prefetch_c && i + 2 == (tile.num_kb > 2 ? tile.num_kb : 2)) {
             const uint32_t rows = min(BLOCK_M, shape_m - static_cast<uint32_t>(m0));
             const uint32_t bytes = min(BLOCK_N, SHAPE_N - static_cast<uint32_t>(n0)) * 4;
             const float* src = c + (static_cast<uint64_t>(tile.group) * shape_m + m0) * SHAPE_N + n0;
@@ -205,8 +206,6 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
     uint32_t stage = 0, phase = 0;
     float acc[kNumAccum], final_acc[kNumWaves][kNumAccum];
     const bool in_place = c == out;
-    // In place, the sums are added to out by L2 reductions, or (c_reduce == 0) as a separate c.
-    const bool reduce = in_place && c_reduce != 0;
 
     while (scheduler.next(tile)) {
       const uint32_t row0 = static_cast<uint32_t>(tile.m0) + r0;
@@ -305,8 +304,8 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
       // --- epilogue: the FP32 sums straight to global memory -------------------------------------
       // NOTE: a warp's store writes 8 rows x 32 contiguous bytes, whole 32-byte sectors; staging
       // an FP32 tile in shared memory would cost BLOCK_M * BLOCK_N * 4 bytes of pipeline stages.
-      // In place (c == out, c_reduce) the sums are added by L2 reductions (red, fire and forget);
-      // a separate c is loaded into the accumulator registers, dead by now, and added. Either way
+      // In place (c == out) the sums are added by L2 reductions (red, fire and forget); a
+      // separate c is loaded into the accumulator registers, dead by now, and added. Either way
       // c's tile was prefetched into L2 during the k-loop. On the H200 the in-place weight
       // gradient at 2112x7168x4096 ran, against cuBLAS block-wise in the same run: 0.80x loading
       // c at every tile start, 0.86x with reductions alone, 0.97x with reductions and the
@@ -319,7 +318,7 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
       // take c hold one wave's tile.)
 #pragma unroll
       for (uint32_t w = 0; w < kNumWaves; ++w) {
-        if (c != nullptr && !reduce) {
+        if (c != nullptr && !in_place) {
           const bool c_v2 = SHAPE_N % 2 == 0 && reinterpret_cast<uint64_t>(c) % 8 == 0;
 #pragma unroll
           for (uint32_t g = 0; g < kNumColGroups; ++g) {
@@ -354,11 +353,11 @@ sm90_fp8_gemm_1d1d_kernel(uint32_t shape_m, uint32_t shape_k, uint32_t c_lead,
             const float v0 = final_acc[w][4 * g + 2 * h + 0], v1 = final_acc[w][4 * g + 2 * h + 1];
             if constexpr (SHAPE_N % 2 == 0) {
               // (col is even, so col + 1 < SHAPE_N and the address is 8-byte aligned)
-              if (reduce)
+              if (in_place)
                 asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
               else
                 asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
-            } else if (reduce) {
+            } else if (in_place) {
               asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v0) : "memory");
               if (col + 1 < SHAPE_N) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(v1) : "memory");
             } else {
