@@ -123,9 +123,9 @@ WIN_FACTOR = 0.98
 # for the small-M kernel and 1.41-1.90 for the grouped one. With the split reduction on mbarriers
 # (H100 again) the small-M kernel ran 1.05-1.16x the grouped family at four of those shapes.
 # On the H200 (one run, 40 runs each) it ran 1.05-1.33x the grouped family's choice at all six
-# masked decode shapes the one-wave rule lets it take (1 x 32, 1 x 128 and 2 x 32 rows at
-# 4096x7168; 1 x 32 and 1 x 128 at 7168x2048; 2 x 128 at 4096x7168), where the model put it
-# at 0.76-1.03 of the grouped time: the factor keeps every one, and none was modelled above it.
+# masked decode shapes the one-wave rule lets it take (1 and 2 experts of 32 and 128 rows at
+# 4096x7168, 1 x 32 and 1 x 128 at 7168x2048), where the model put it at 0.76-1.03 of the
+# grouped time: the factor keeps every one, and none was modelled above it.
 MASKED_WIN_FACTOR = 1.05
 
 
