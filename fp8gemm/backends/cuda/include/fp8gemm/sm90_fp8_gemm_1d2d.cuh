@@ -22,7 +22,49 @@
 #include "sm90_wgmma_fp8.cuh"
 #include "sm90_scheduler.cuh"
 
+// A traced build (scripts/timeline_1d2d.py defines FP8GEMM_TRACE in a copy of these headers):
+// thread 0 of each warpgroup (math warpgroups, and the producer's issuing thread) of the first
+// kTraceCtas CTAs writes a clock64 stamp at each event of its first kTraceEvents, the event's
+// tag in the top 8 bits. Off by default: the stamps compile to nothing.
+#ifdef FP8GEMM_TRACE
 namespace fp8gemm {
+constexpr uint32_t kTraceCtas = 8, kTraceRoles = 3, kTraceEvents = 8192;
+}
+extern "C" {
+__device__ unsigned long long
+    fp8gemm_trace[fp8gemm::kTraceCtas * fp8gemm::kTraceRoles * fp8gemm::kTraceEvents];
+}
+#define FP8GEMM_STAMP(tag) fp8gemm::trace_stamp(tag, trace_count)
+#define FP8GEMM_TRACE_COUNTER uint32_t trace_count = 0
+#else
+#define FP8GEMM_STAMP(tag) ((void)0)
+#define FP8GEMM_TRACE_COUNTER
+#endif
+
+namespace fp8gemm {
+
+// Trace tags (scripts/timeline_1d2d.py reads them).
+enum TraceTag : uint32_t {
+  kTraceSlotFree = 1,  // producer: a k-block's stage is free (empty barrier passed)
+  kTraceSent = 2,      // producer: the k-block's loads are issued
+  kTraceLanded = 3,    // math: the k-block's stage has landed (full barrier passed)
+  kTraceIssued = 4,    // math: its wgmma are issued
+  kTraceDone = 5,      // math: its wgmma are complete
+  kTracePromoted = 6,  // math: its sums are promoted
+  kTraceEpilogue = 7,  // math: a tile's epilogue starts
+  kTraceEpilogueEnd = 8,
+};
+
+#ifdef FP8GEMM_TRACE
+__device__ __forceinline__ void trace_stamp(uint32_t tag, uint32_t& count) {
+  if (blockIdx.x >= kTraceCtas || threadIdx.x % 128 != 0 || count >= kTraceEvents) return;
+  const uint32_t role = threadIdx.x / 128;
+  if (role >= kTraceRoles) return;
+  const unsigned long long t = clock64();
+  fp8gemm_trace[(blockIdx.x * kTraceRoles + role) * kTraceEvents + count++] =
+      (static_cast<unsigned long long>(tag) << 56) | (t & ((1ull << 56) - 1));
+}
+#endif
 
 template <uint32_t BLOCK_M>
 __host__ __device__ constexpr uint32_t sm90_num_math_threads() { return BLOCK_M == 64 ? 128 : 256; }
@@ -289,6 +331,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
 
   Scheduler scheduler(shape_m, grouped_layout, num_groups);
   Tile tile;
+  FP8GEMM_TRACE_COUNTER;
 
   if (warpgroup == kNumMathThreads / 128) {
     // --- producer: one thread issues every TMA load ---------------------------------------------
@@ -340,6 +383,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // One k-block's loads into the current stage.
       auto load_k_block = [&](uint32_t kb) {
         mbar_wait(&empty_bar[stage], phase ^ 1);
+        FP8GEMM_STAMP(kTraceSlotFree);
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, tx_bytes);
         const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
@@ -370,6 +414,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
             tma_load_2d(smem_sa + stage * Layout::kSaStage + j * 128, &tmap_sa, bar,
                         sa_m0 + static_cast<int32_t>(j * 128), static_cast<int32_t>(kb));
         }
+        FP8GEMM_STAMP(kTraceSent);
         if (++stage == kNumStages) stage = 0, phase ^= 1;
       };
       if constexpr (kKind == kKindDense) {
@@ -710,14 +755,17 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           bool ready = false;
           for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
             if (!ready) mbar_wait(&full_bar[stage], phase);
+            FP8GEMM_STAMP(kTraceLanded);
             const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
             for (uint32_t w = 0; w < kNumWaves; ++w) {
               const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
               const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
               issue(acc, w);
+              if (w == 0) FP8GEMM_STAMP(kTraceIssued);
               wgmma_wait<0>();
               if (w + 1 == kNumWaves) {
+                FP8GEMM_STAMP(kTraceDone);
                 release(stage);
                 next_stage();
                 ready = kb + 1 < kb1 && mbar_test(&full_bar[stage], phase);
@@ -725,6 +773,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               promote_sums<BLOCK_N, decltype(split)::value>(num_first, final_acc[w], acc, sa0, sa1,
                                                             sb0, sb1);
             }
+            FP8GEMM_STAMP(kTracePromoted);
           }
         };
         // NOTE: with the split a run-time value, ptxas selects and multiplies out each 8-column
@@ -747,7 +796,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       if constexpr (kNumSplits > 1) {
         if (split_fixup(tile)) epilogue(tile);
       } else if constexpr (!kTwoAccum) {
+        FP8GEMM_STAMP(kTraceEpilogue);
         epilogue(tile);
+        FP8GEMM_STAMP(kTraceEpilogueEnd);
       }
       tile = next_tile, has_tile = has_next;
     }

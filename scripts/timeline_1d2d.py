@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Where the 1D2D kernel's k-loop time goes, from clock64 stamps of a traced build (Hopper GPU).
+
+    python scripts/timeline_1d2d.py SHAPE OP [VARIANT]
+    python scripts/timeline_1d2d.py s16x2048x4096x7168 contiguous \\
+        block_n=160+num_multicast=2+multicast_on_a=0+num_stages=4
+
+SHAPE, OP and VARIANT as scripts/ncu_call.py takes them (VARIANT in scripts/cuda_tiles.py's
+syntax, default the heuristic's config). The kernel headers are copied to a temporary folder with
+FP8GEMM_TRACE defined (sm90_fp8_gemm_1d2d.cuh: thread 0 of each warpgroup of the first 8 CTAs
+stamps its events, the untraced build compiles them to nothing), the config runs once to warm up
+and once traced, and the stamps are read back from the kernel's `fp8gemm_trace` global.
+
+Only the one-accumulator k-loop and its epilogue are stamped (not two accumulators, split-K or a
+warpgroup's idle half): time those configs' loops some other way. A stamp costs its thread a
+clock read and a global store, four a k-block: compare traced builds with each other, not with
+the untraced kernel's time.
+
+Printed per traced CTA, over the window in which every role was still stamping: the share of
+the cycles with no wgmma in flight in any math warpgroup, and what the warpgroups were doing then
+(waiting for a stage, issuing, promoting, in the epilogue); the mean cycles of a k-block's
+wgmma, promotion and stage wait per warpgroup; and the producer's share of the window spent
+waiting for a free stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# The tags of sm90_fp8_gemm_1d2d.cuh's TraceTag, and the trace buffer's shape.
+SLOT_FREE, SENT, LANDED, ISSUED, DONE, PROMOTED, EPILOGUE, EPILOGUE_END = range(1, 9)
+TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS = 8, 3, 8192
+# Where no wgmma is in flight, what the math warpgroups are doing, most telling first: one
+# waiting for its stage explains the idle tensor cores before one promoting does.
+IDLE_CAUSES = ("stage wait", "epilogue", "promotion", "issue", "other")
+_STATE_OF = {"wait": "stage wait", "epilogue": "epilogue", "promote": "promotion",
+             "issue": "issue"}
+
+
+def decode(words) -> list[tuple[int, int]]:
+    """[(tag, clock)] of one role's stamps (stops at the first unwritten word)."""
+    out = []
+    for w in words:
+        w = int(w)
+        if w == 0:
+            break
+        out.append((w >> 56, w & ((1 << 56) - 1)))
+    return out
+
+
+def math_intervals(events: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
+    """(start, end, state) of a math warpgroup: 'wait' (from its last promotion or epilogue to
+    the next stage landing), 'issue' (landed to issued), 'mma' (issued to complete), 'promote',
+    'epilogue'."""
+    out = []
+    last = None  # the stamp that ended the previous state, and its tag
+    for tag, t in events:
+        if last is not None:
+            prev_tag, t0 = last
+            state = {(PROMOTED, LANDED): "wait", (EPILOGUE_END, LANDED): "wait",
+                     (LANDED, ISSUED): "issue", (ISSUED, DONE): "mma", (DONE, PROMOTED): "promote",
+                     (EPILOGUE, EPILOGUE_END): "epilogue"}.get((prev_tag, tag))
+            if state is not None and t > t0:
+                out.append((t0, t, state))
+        last = (tag, t)
+    return out
+
+
+def producer_wait(events: list[tuple[int, int]], t0: int, t1: int) -> float:
+    """Share of [t0, t1) the producer spent between a k-block's loads and the next free stage."""
+    waited, sent = 0, None
+    for tag, t in events:
+        if tag == SENT:
+            sent = t
+        elif tag == SLOT_FREE and sent is not None:
+            a, b = max(sent, t0), min(t, t1)
+            waited += max(0, b - a)
+            sent = None
+    return waited / max(1, t1 - t0)
+
+
+def summarise(roles: dict[int, list[tuple[int, int]]]) -> dict:
+    """Summary of one CTA's stamps (role -> [(tag, clock)]; roles with SLOT_FREE stamps are the
+    producer, the others math warpgroups)."""
+    producer = [r for r, ev in roles.items() if any(tag == SLOT_FREE for tag, _ in ev)]
+    maths = [r for r, ev in roles.items() if ev and r not in producer]
+    if not maths:
+        return {}
+    # the window every role was stamping in
+    t0 = max(ev[0][1] for r, ev in roles.items() if ev)
+    t1 = min(ev[-1][1] for r, ev in roles.items() if ev)
+    ivs = {r: [iv for iv in math_intervals(roles[r]) if iv[1] > t0 and iv[0] < t1] for r in maths}
+    # sweep the boundaries: in each piece, which state is each warpgroup in
+    cuts = sorted({t0, t1} | {max(t0, min(t1, x)) for r in maths for iv in ivs[r] for x in iv[:2]})
+    idle = defaultdict(int)
+    pos = {r: 0 for r in maths}
+    for a, b in zip(cuts, cuts[1:]):
+        states = []
+        for r in maths:
+            lst = ivs[r]
+            while pos[r] < len(lst) and lst[pos[r]][1] <= a:
+                pos[r] += 1
+            i = pos[r]
+            states.append(lst[i][2] if i < len(lst) and lst[i][0] <= a < lst[i][1] else None)
+        if "mma" in states:
+            continue
+        cause = next((_STATE_OF[s] for s in ("wait", "epilogue", "promote", "issue")
+                      if s in states), "other")
+        idle[cause] += b - a
+    span = max(1, t1 - t0)
+    per_wg = {}
+    for r in maths:
+        by = defaultdict(list)
+        for a, b, s in ivs[r]:
+            by[s].append(b - a)
+        per_wg[r] = {s: sum(v) / len(v) for s, v in by.items()}
+    return {"window": span, "idle": sum(idle.values()) / span,
+            "idle_by": {c: idle[c] / span for c in IDLE_CAUSES},
+            "per_wg": per_wg,
+            "producer_wait": producer_wait(roles[producer[0]], t0, t1) if producer else None}
+
+
+@contextlib.contextmanager
+def traced_headers():
+    """A copy of the kernel headers whose 1D2D kernel stamps (FP8GEMM_TRACE defined)."""
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
+    with tempfile.TemporaryDirectory() as tmp:
+        dst = Path(tmp) / "include"
+        shutil.copytree(sm90_fp8_gemm_1d2d.INCLUDE_DIR, dst)
+        header = dst / "fp8gemm" / "sm90_fp8_gemm_1d2d.cuh"
+        header.write_text("#define FP8GEMM_TRACE 1\n" + header.read_text())
+        yield dst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape")
+    ap.add_argument("op", choices=["dense", "dgrad", "contiguous", "offsets", "masked"])
+    ap.add_argument("variant", nargs="?", default="base")
+    args = ap.parse_args()
+
+    import torch
+    from cuda.bindings import driver as cu
+
+    import cuda_tiles as ct
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
+    from fp8gemm.bench.impls import make_data
+    from fp8gemm.bench.suites import Case, skewed_sizes
+    from fp8gemm.jit import driver
+    from ncu_call import variant_call
+
+    dims = [int(v) for v in args.shape.lstrip("s").split("x")]
+    g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
+    sizes = skewed_sizes(g * m, g) if args.shape.startswith("s") else ()
+    data = make_data(Case("timeline", args.op, m, n, k, groups=g, sizes=sizes),
+                     torch.device("cuda"))
+    caches: dict = {}
+    with traced_headers() as include, ct.kernel_headers(include, caches):
+        call = variant_call(args.variant, args.op, data, g, m, n, k)[0]
+        call()
+        torch.cuda.synchronize()
+        plans = list(caches.get(sm90_fp8_gemm_1d2d.__name__, {}).values())
+        if len(plans) != 1:
+            raise SystemExit(f"expected one 1D2D plan, found {len(plans)} (another family ran?)")
+        dptr, nbytes = driver.check(cu.cuLibraryGetGlobal(plans[0].kernel._library,
+                                                          b"fp8gemm_trace"),
+                                    "cuLibraryGetGlobal(fp8gemm_trace)")
+        driver.check(cu.cuMemsetD8(dptr, 0, nbytes), "cuMemsetD8")
+        call()
+        torch.cuda.synchronize()
+    host = torch.empty(nbytes // 8, dtype=torch.int64)
+    driver.check(cu.cuMemcpyDtoH(host.data_ptr(), dptr, nbytes), "cuMemcpyDtoH")
+    words = host.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
+    print(f"{'CTA':>3} {'window':>10} {'no wgmma':>8}  "
+          + "  ".join(f"{c:>10}" for c in IDLE_CAUSES) + "  producer waits  per warpgroup "
+          "(mean cycles: mma / promote / wait)")
+    for cta in range(TRACE_CTAS):
+        s = summarise({r: decode(words[cta][r]) for r in range(TRACE_ROLES)})
+        if not s:
+            continue
+        wgs = "  ".join(f"wg{r}: {w.get('mma', 0):.0f} / {w.get('promote', 0):.0f} / "
+                        f"{w.get('wait', 0):.0f}" for r, w in s["per_wg"].items())
+        pw = "-" if s["producer_wait"] is None else f"{s['producer_wait']:.1%}"
+        print(f"{cta:>3} {s['window']:>10} {s['idle']:>8.1%}  "
+              + "  ".join(f"{s['idle_by'][c]:>10.1%}" for c in IDLE_CAUSES)
+              + f"  {pw:>14}  {wgs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

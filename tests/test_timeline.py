@@ -1,0 +1,76 @@
+"""scripts/timeline_1d2d.py on the CPU: its reading of the stamps, and the traced build (the 1D2D
+kernel with FP8GEMM_TRACE) compiling clean beside an untraced build that has no trace at all."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g2
+from fp8gemm.problem import GemmKind
+from helpers import compiler_or_skip, load_script
+
+ct = load_script("scripts/cuda_tiles.py")
+tl = load_script("scripts/timeline_1d2d.py")
+
+
+def _kblocks(t, mma, promote, wait, n, first_land=None):
+    """Stamps of n k-blocks of one warpgroup from clock t: each waits `wait`, then its wgmma
+    take `mma` and the promotion `promote` (issue takes 1 cycle)."""
+    ev = []
+    for i in range(n):
+        if i > 0 or first_land is None:
+            t += wait
+        else:
+            t = first_land
+        ev.append((tl.LANDED, t))
+        ev.append((tl.ISSUED, t + 1))
+        ev.append((tl.DONE, t + 1 + mma))
+        t += 1 + mma + promote
+        ev.append((tl.PROMOTED, t))
+    return ev
+
+
+def test_alternating_warpgroups_keep_a_wgmma_in_flight():
+    # warpgroup 1 issues while warpgroup 0 promotes, and the other way round: never idle
+    wg0 = _kblocks(0, mma=300, promote=200, wait=0, n=20)
+    wg1 = _kblocks(0, mma=300, promote=200, wait=0, n=20, first_land=250)
+    s = tl.summarise({0: wg0, 1: wg1})
+    assert s["idle"] < 0.01
+    assert s["per_wg"][0]["mma"] == 300 and s["per_wg"][0]["promote"] == 200
+    assert s["producer_wait"] is None
+
+
+def test_idle_time_goes_to_the_stage_wait_before_the_promotion():
+    # both warpgroups in step: while both promote nothing runs (promotion), and each k-block
+    # first waits 100 cycles for its stage (stage wait)
+    wg0 = _kblocks(0, mma=300, promote=200, wait=100, n=10)
+    wg1 = _kblocks(0, mma=300, promote=200, wait=100, n=10)
+    s = tl.summarise({0: wg0, 1: wg1})
+    by = s["idle_by"]
+    assert by["promotion"] > 0.3 and by["stage wait"] > 0.1
+    assert abs(s["idle"] - sum(by.values())) < 1e-9
+    # per k-block: 600 cycles; 300 of wgmma in flight, the rest idle
+    assert abs(s["idle"] - 0.5) < 0.05
+
+
+def test_producer_wait_and_decode():
+    words = [(tl.SLOT_FREE << 56) | 10, (tl.SENT << 56) | 20, (tl.SLOT_FREE << 56) | 70,
+             (tl.SENT << 56) | 80, 0, (tl.SENT << 56) | 999]
+    ev = tl.decode(words)
+    assert ev == [(tl.SLOT_FREE, 10), (tl.SENT, 20), (tl.SLOT_FREE, 70), (tl.SENT, 80)]
+    assert tl.producer_wait(ev, 10, 80) == pytest.approx(50 / 70)
+
+
+def test_traced_build_compiles_clean_and_the_default_has_no_trace(tmp_path, monkeypatch):
+    compiler_or_skip()
+    monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = g2.Sm90Config(128, 160, 4, 2, False, 16, 132)
+    plain = g2.compile_kernel(GemmKind.CONTIGUOUS, 4096, 7168, cfg)[1]
+    with tl.traced_headers() as include, ct.kernel_headers(include, {}):
+        traced = g2.compile_kernel(GemmKind.CONTIGUOUS, 4096, 7168, cfg)[1]
+    assert b"fp8gemm_trace" in traced.cubin
+    assert b"fp8gemm_trace" not in plain.cubin
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", traced.log)]
+    assert not any(spills), traced.log
