@@ -23,6 +23,9 @@
 #   TILES="ARGS; ARGS" also scripts/cuda_tiles.py once per ';'-separated argument list (configs
 #                      of a family timed against its choice and peers in one run), each at most
 #                      TILES_TIMEOUT=150 s -> tiles.log, tiles-1.json, tiles-2.json, ...
+#   TIMELINE="ARGS; ARGS"  also scripts/timeline_1d2d.py once per ';'-separated argument list
+#                      (SHAPE OP [VARIANT]: a traced 1D2D build, the cycles with no wgmma in flight
+#                      by cause), each at most 120 s -> timeline.log
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
@@ -197,6 +200,25 @@ if [[ -n "${TILES:-}" ]]; then
     tiles_summary="$done_runs of ${#tile_runs[@]} runs completed"
 fi
 
+timeline_summary="skipped (TIMELINE empty)"
+if [[ -n "${TIMELINE:-}" ]]; then
+    IFS=';' read -r -a timeline_runs <<<"$TIMELINE"
+    : >"$OUT/timeline.log"
+    done_runs=0
+    for i in "${!timeline_runs[@]}"; do
+        eval "targs=(${timeline_runs[$i]})"  # (quoted words stay one argument)
+        (( ${#targs[@]} )) || continue
+        echo "== timeline_1d2d.py ${timeline_runs[$i]}" | tee -a "$OUT/timeline.log"
+        timeout --signal=INT --kill-after=10 120 python3 scripts/timeline_1d2d.py "${targs[@]}" \
+            >>"$OUT/timeline.log" 2>&1
+        rc=$?
+        echo "   rc $rc" | tee -a "$OUT/timeline.log"
+        (( rc == 0 )) && done_runs=$(( done_runs + 1 ))
+    done
+    grep -vE '^(==|   rc)' "$OUT/timeline.log" | cut -c1-200 | head -n 60
+    timeline_summary="$done_runs of ${#timeline_runs[@]} runs completed"
+fi
+
 dg_summary="skipped (DG_CORE=0)"
 if [[ "${DG_CORE:-0}" == "1" ]]; then
     echo "== DeepGEMM's test_core.py against the drop-in -> $OUT/dg_core.log"
@@ -231,6 +253,7 @@ echo "quant: $quant_summary"
 echo "copy: $copy_summary"
 echo "probes: $probe_summary"
 echo "tiles: $tiles_summary"
+echo "timeline: $timeline_summary"
 echo "deepgemm test_core on the drop-in: $dg_summary"
 echo "files: $(cd "$OUT" && ls | tr '\n' ' ')  ($(( SECONDS - START ))s)"
 rm -rf "$WORK"
