@@ -181,42 +181,40 @@ if [[ "${PROBE:-0}" == "1" ]]; then
     probe_summary="rc $rc, $(grep -c 'cycles/k-block' "$OUT/probe.log") probes"
 fi
 
-tiles_summary="skipped (TILES empty)"
-if [[ -n "${TILES:-}" ]]; then
-    IFS=';' read -r -a tile_runs <<<"$TILES"
-    : >"$OUT/tiles.log"
-    done_runs=0
-    for i in "${!tile_runs[@]}"; do
-        eval "targs=(${tile_runs[$i]})"  # (quoted words stay one argument)
+# run_lists NAME SCRIPT SECONDS LISTS [JSON]: SCRIPT once per ';'-separated argument list of
+# LISTS, each at most SECONDS, into $OUT/NAME.log (JSON: also --json $OUT/NAME-<i>.json); sets
+# lists_summary.
+run_lists() {
+    local name=$1 script=$2 seconds=$3 lists=$4 json=${5:-} i rc done_runs=0 runs targs extra
+    IFS=';' read -r -a runs <<<"$lists"
+    : >"$OUT/$name.log"
+    for i in "${!runs[@]}"; do
+        eval "targs=(${runs[$i]})"  # (quoted words stay one argument)
         (( ${#targs[@]} )) || continue
-        echo "== cuda_tiles.py ${tile_runs[$i]} -> $OUT/tiles.log" | tee -a "$OUT/tiles.log"
-        timeout --signal=INT --kill-after=10 "${TILES_TIMEOUT:-150}" python3 scripts/cuda_tiles.py \
-            "${targs[@]}" --json "$OUT/tiles-$(( i + 1 )).json" >>"$OUT/tiles.log" 2>&1
+        extra=()
+        [[ -n "$json" ]] && extra=(--json "$OUT/$name-$(( i + 1 )).json")
+        echo "== $script ${runs[$i]} -> $OUT/$name.log" | tee -a "$OUT/$name.log"
+        timeout --signal=INT --kill-after=10 "$seconds" python3 "scripts/$script" "${targs[@]}" \
+            "${extra[@]}" >>"$OUT/$name.log" 2>&1
         rc=$?
-        echo "   rc $rc" | tee -a "$OUT/tiles.log"
+        echo "   rc $rc" | tee -a "$OUT/$name.log"
         (( rc == 0 )) && done_runs=$(( done_runs + 1 ))
     done
+    lists_summary="$done_runs of ${#runs[@]} runs completed"
+}
+
+tiles_summary="skipped (TILES empty)"
+if [[ -n "${TILES:-}" ]]; then
+    run_lists tiles cuda_tiles.py "${TILES_TIMEOUT:-150}" "$TILES" json
     grep -E '^ +[0-9sx]+ |geometric|WRONG|refused' "$OUT/tiles.log" | cut -c1-160 | head -n 60
-    tiles_summary="$done_runs of ${#tile_runs[@]} runs completed"
+    tiles_summary=$lists_summary
 fi
 
 timeline_summary="skipped (TIMELINE empty)"
 if [[ -n "${TIMELINE:-}" ]]; then
-    IFS=';' read -r -a timeline_runs <<<"$TIMELINE"
-    : >"$OUT/timeline.log"
-    done_runs=0
-    for i in "${!timeline_runs[@]}"; do
-        eval "targs=(${timeline_runs[$i]})"  # (quoted words stay one argument)
-        (( ${#targs[@]} )) || continue
-        echo "== timeline_1d2d.py ${timeline_runs[$i]}" | tee -a "$OUT/timeline.log"
-        timeout --signal=INT --kill-after=10 120 python3 scripts/timeline_1d2d.py "${targs[@]}" \
-            >>"$OUT/timeline.log" 2>&1
-        rc=$?
-        echo "   rc $rc" | tee -a "$OUT/timeline.log"
-        (( rc == 0 )) && done_runs=$(( done_runs + 1 ))
-    done
+    run_lists timeline timeline_1d2d.py 120 "$TIMELINE"
     grep -vE '^(==|   rc)' "$OUT/timeline.log" | cut -c1-200 | head -n 60
-    timeline_summary="$done_runs of ${#timeline_runs[@]} runs completed"
+    timeline_summary=$lists_summary
 fi
 
 dg_summary="skipped (DG_CORE=0)"

@@ -45,6 +45,10 @@ TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS = 8, 3, 8192
 IDLE_CAUSES = ("stage wait", "epilogue", "promotion", "issue", "other")
 _STATE_OF = {"wait": "stage wait", "epilogue": "epilogue", "promote": "promotion",
              "issue": "issue"}
+# A math warpgroup's state between two consecutive stamps (tag before, tag after).
+_STATE_BETWEEN = {(PROMOTED, LANDED): "wait", (EPILOGUE_END, LANDED): "wait",
+                  (LANDED, ISSUED): "issue", (ISSUED, DONE): "mma", (DONE, PROMOTED): "promote",
+                  (EPILOGUE, EPILOGUE_END): "epilogue"}
 
 
 def decode(words) -> list[tuple[int, int]]:
@@ -67,9 +71,7 @@ def math_intervals(events: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
     for tag, t in events:
         if last is not None:
             prev_tag, t0 = last
-            state = {(PROMOTED, LANDED): "wait", (EPILOGUE_END, LANDED): "wait",
-                     (LANDED, ISSUED): "issue", (ISSUED, DONE): "mma", (DONE, PROMOTED): "promote",
-                     (EPILOGUE, EPILOGUE_END): "epilogue"}.get((prev_tag, tag))
+            state = _STATE_BETWEEN.get((prev_tag, tag))
             if state is not None and t > t0:
                 out.append((t0, t, state))
         last = (tag, t)
