@@ -25,7 +25,7 @@
 #                      TILES_TIMEOUT=150 s -> tiles.log, tiles-1.json, tiles-2.json, ...
 #   TIMELINE="ARGS; ARGS"  also scripts/timeline_1d2d.py once per ';'-separated argument list
 #                      (SHAPE OP [VARIANT]: a traced 1D2D build, the cycles with no wgmma in flight
-#                      by cause), each at most 120 s -> timeline.log
+#                      by cause), each at most 120 s -> timeline.log, timeline-1.json (stamps), ...
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)
 #   TEST_PATHS=tests/  what pytest collects (e.g. "tests/test_triton_gpu.py")
@@ -181,18 +181,18 @@ if [[ "${PROBE:-0}" == "1" ]]; then
     probe_summary="rc $rc, $(grep -c 'cycles/k-block' "$OUT/probe.log") probes"
 fi
 
-# run_lists NAME SCRIPT SECONDS LISTS [JSON]: SCRIPT once per ';'-separated argument list of
-# LISTS, each at most SECONDS, into $OUT/NAME.log (JSON: also --json $OUT/NAME-<i>.json); sets
-# lists_summary.
+# run_lists NAME SCRIPT SECONDS LISTS [OPTION]: SCRIPT once per ';'-separated argument list of
+# LISTS, each at most SECONDS, into $OUT/NAME.log (OPTION: also OPTION $OUT/NAME-<i>.json, the
+# script's file output); sets lists_summary.
 run_lists() {
-    local name=$1 script=$2 seconds=$3 lists=$4 json=${5:-} i rc done_runs=0 runs targs extra
+    local name=$1 script=$2 seconds=$3 lists=$4 out_opt=${5:-} i rc done_runs=0 runs targs extra
     IFS=';' read -r -a runs <<<"$lists"
     : >"$OUT/$name.log"
     for i in "${!runs[@]}"; do
         eval "targs=(${runs[$i]})"  # (quoted words stay one argument)
         (( ${#targs[@]} )) || continue
         extra=()
-        [[ -n "$json" ]] && extra=(--json "$OUT/$name-$(( i + 1 )).json")
+        [[ -n "$out_opt" ]] && extra=("$out_opt" "$OUT/$name-$(( i + 1 )).json")
         echo "== $script ${runs[$i]} -> $OUT/$name.log" | tee -a "$OUT/$name.log"
         timeout --signal=INT --kill-after=10 "$seconds" python3 "scripts/$script" "${targs[@]}" \
             "${extra[@]}" >>"$OUT/$name.log" 2>&1
@@ -205,15 +205,15 @@ run_lists() {
 
 tiles_summary="skipped (TILES empty)"
 if [[ -n "${TILES:-}" ]]; then
-    run_lists tiles cuda_tiles.py "${TILES_TIMEOUT:-150}" "$TILES" json
+    run_lists tiles cuda_tiles.py "${TILES_TIMEOUT:-150}" "$TILES" --json
     grep -E '^ +[0-9sx]+ |geometric|WRONG|refused' "$OUT/tiles.log" | cut -c1-160 | head -n 60
     tiles_summary=$lists_summary
 fi
 
 timeline_summary="skipped (TIMELINE empty)"
 if [[ -n "${TIMELINE:-}" ]]; then
-    run_lists timeline timeline_1d2d.py 120 "$TIMELINE"
-    grep -vE '^(==|   rc)' "$OUT/timeline.log" | cut -c1-200 | head -n 60
+    run_lists timeline timeline_1d2d.py 120 "$TIMELINE" --dump
+    grep -vE '^(==|   rc)' "$OUT/timeline.log" | cut -c1-200 | head -n 80
     timeline_summary=$lists_summary
 fi
 

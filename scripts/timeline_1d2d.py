@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import sys
 import tempfile
@@ -91,9 +92,9 @@ def producer_wait(events: list[tuple[int, int]], t0: int, t1: int) -> float:
     return waited / max(1, t1 - t0)
 
 
-def summarise(roles: dict[int, list[tuple[int, int]]]) -> dict:
+def summarise(roles: dict[int, list[tuple[int, int]]], num_stages: int | None = None) -> dict:
     """Summary of one CTA's stamps (role -> [(tag, clock)]; roles with SLOT_FREE stamps are the
-    producer, the others math warpgroups)."""
+    producer, the others math warpgroups); with num_stages, also its stage_chain."""
     producer = [r for r, ev in roles.items() if any(tag == SLOT_FREE for tag, _ in ev)]
     maths = [r for r, ev in roles.items() if ev and r not in producer]
     if not maths:
@@ -129,7 +130,60 @@ def summarise(roles: dict[int, list[tuple[int, int]]]) -> dict:
     return {"window": span, "idle": sum(idle.values()) / span,
             "idle_by": {c: idle[c] / span for c in IDLE_CAUSES},
             "per_wg": per_wg,
-            "producer_wait": producer_wait(roles[producer[0]], t0, t1) if producer else None}
+            "producer_wait": producer_wait(roles[producer[0]], t0, t1) if producer else None,
+            "chain": (stage_chain(roles[producer[0]], [roles[r] for r in maths], num_stages)
+                      if producer and num_stages else None)}
+
+
+def kblocks(events: list[tuple[int, int]]) -> list[dict]:
+    """A math warpgroup's k-blocks in order: when it began waiting for the stage (its previous
+    promotion or epilogue end; None for its first), when the stage landed, its wgmma completed."""
+    out, wait_from, landed = [], None, None
+    for tag, t in events:
+        if tag == LANDED:
+            landed = t
+        elif tag == DONE and landed is not None:
+            out.append({"wait_from": wait_from, "landed": landed, "done": t})
+            landed = None
+        elif tag in (PROMOTED, EPILOGUE_END):
+            wait_from = t
+    return out
+
+
+def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int]]],
+                num_stages: int, min_wait: int = 32) -> dict:
+    """Why the math warpgroups waited for their stages, following each k-block through the ring
+    (the producer and every warpgroup stamp the same k-blocks in the same order: dense tiles, or
+    grouped tiles whose rows fill both warpgroups).
+
+    late: share of the waited cycles (waits over min_wait) before the k-block's loads were sent,
+      the rest spent with them in flight; flight: median cycles from sending a waited k-block's
+      loads (sent before the wait began) to its landing; refill: median cycles from the later
+      warpgroup's wgmma completion on a stage to the producer finding it free again, k-block
+      j + num_stages (its release; in a cluster also the peer CTA's)."""
+    sent = [t for tag, t in producer if tag == SENT]
+    free = [t for tag, t in producer if tag == SLOT_FREE]
+    wgs = [kblocks(ev) for ev in maths]
+    n = min([len(sent)] + [len(k) for k in wgs])
+    late = in_flight = 0
+    flights, refills = [], []
+    for j in range(n):
+        for k in wgs:
+            kb = k[j]
+            if kb["wait_from"] is None or kb["landed"] - kb["wait_from"] < min_wait:
+                continue
+            late += max(0, min(sent[j], kb["landed"]) - kb["wait_from"])
+            in_flight += kb["landed"] - max(sent[j], kb["wait_from"])
+            if sent[j] <= kb["wait_from"]:
+                flights.append(kb["landed"] - sent[j])
+        if j + num_stages < len(free):
+            refills.append(free[j + num_stages] - max(k[j]["done"] for k in wgs))
+
+    def median(v):
+        return sorted(v)[len(v) // 2] if v else None
+
+    return {"late": late / max(1, late + in_flight), "flight": median(flights),
+            "refill": median(refills), "kblocks": n}
 
 
 @contextlib.contextmanager
@@ -150,6 +204,8 @@ def main() -> int:
     ap.add_argument("shape")
     ap.add_argument("op", choices=["dense", "dgrad", "contiguous", "offsets", "masked"])
     ap.add_argument("variant", nargs="?", default="base")
+    ap.add_argument("--dump", help="also write the stamps as JSON here ([CTA][role] of "
+                    "[tag, clock] pairs, with the config)")
     args = ap.parse_args()
 
     import torch
@@ -184,11 +240,18 @@ def main() -> int:
     host = torch.empty(nbytes // 8, dtype=torch.int64)
     driver.check(cu.cuMemcpyDtoH(host.data_ptr(), dptr, nbytes), "cuMemcpyDtoH")
     words = host.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
+    stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
+    cfg = plans[0].cfg
+    if args.dump:
+        Path(args.dump).write_text(json.dumps({
+            "shape": args.shape, "op": args.op, "variant": args.variant, "config": str(cfg),
+            "num_stages": cfg.num_stages, "stamps": stamps}))
     print(f"{'CTA':>3} {'window':>10} {'no wgmma':>8}  "
           + "  ".join(f"{c:>10}" for c in IDLE_CAUSES) + "  producer waits  per warpgroup "
           "(mean cycles: mma / promote / wait)")
+    chains = []
     for cta in range(TRACE_CTAS):
-        s = summarise({r: decode(words[cta][r]) for r in range(TRACE_ROLES)})
+        s = summarise(dict(enumerate(stamps[cta])), cfg.num_stages)
         if not s:
             continue
         wgs = "  ".join(f"wg{r}: {w.get('mma', 0):.0f} / {w.get('promote', 0):.0f} / "
@@ -197,6 +260,14 @@ def main() -> int:
         print(f"{cta:>3} {s['window']:>10} {s['idle']:>8.1%}  "
               + "  ".join(f"{s['idle_by'][c]:>10.1%}" for c in IDLE_CAUSES)
               + f"  {pw:>14}  {wgs}")
+        if s["chain"]:
+            chains.append((cta, s["chain"]))
+    print("stage waits: share before the loads were sent; median cycles in flight (sent before "
+          "the wait) and from the last wgmma on a stage to its refill")
+    for cta, c in chains:
+        print(f"{cta:>3} {c['kblocks']:>6} k-blocks  late {c['late']:>6.1%}  flight "
+              f"{c['flight'] if c['flight'] is not None else '-':>6}  refill "
+              f"{c['refill'] if c['refill'] is not None else '-':>6}")
     return 0
 
 

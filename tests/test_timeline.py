@@ -63,6 +63,46 @@ def test_producer_wait_and_decode():
     assert tl.producer_wait(ev, 10, 80) == pytest.approx(50 / 70)
 
 
+def _ring(n, num_stages, flight, refill, mma=300, promote=200, lag=0):
+    """Stamps of a producer and two warpgroups running n k-blocks through a ring: a k-block's
+    loads land `flight` cycles after they are sent, a stage is found free `refill` cycles after
+    the later warpgroup's wgmma on it completed; warpgroup 1 starts `lag` cycles late."""
+    prod, wgs = [], [[], []]
+    free, sent, done = [], [], [[], []]
+    promoted = [None, None]
+    for j in range(n):
+        free.append(0 if j < num_stages else max(d[j - num_stages] for d in done) + refill)
+        sent.append(free[-1] + 5)
+        prod += [(tl.SLOT_FREE, free[-1]), (tl.SENT, sent[-1])]
+        for w in range(2):
+            start = promoted[w] if promoted[w] is not None else lag * w
+            landed = max(start, sent[-1] + flight)
+            done[w].append(landed + 1 + mma)
+            promoted[w] = done[w][-1] + promote
+            wgs[w] += [(tl.LANDED, landed), (tl.ISSUED, landed + 1), (tl.DONE, done[w][-1]),
+                       (tl.PROMOTED, promoted[w])]
+    return prod, wgs
+
+
+def test_stage_chain_reads_the_flight_and_the_refill():
+    # two stages, a long flight: every wait is spent with the loads in flight, sent as soon as
+    # the stage was found free, 40 cycles after the last wgmma on it
+    prod, wgs = _ring(50, num_stages=2, flight=900, refill=40)
+    c = tl.stage_chain(prod, wgs, num_stages=2)
+    assert c["kblocks"] == 50 and c["refill"] == 40
+    assert c["late"] == 0.0 and c["flight"] == 900
+    # four stages hide that flight: no k-block waits
+    prod, wgs = _ring(50, num_stages=4, flight=900, refill=40)
+    c = tl.stage_chain(prod, wgs, num_stages=4)
+    assert c["flight"] is None and c["late"] == 0.0
+    # a refill slower than the ring can hide: the loads go out after the warpgroups wait
+    prod, wgs = _ring(50, num_stages=2, flight=100, refill=2000)
+    c = tl.stage_chain(prod, wgs, num_stages=2)
+    assert c["refill"] == 2000 and c["late"] > 0.5
+    s = tl.summarise({0: wgs[0], 1: wgs[1], 2: prod}, num_stages=2)
+    assert s["chain"] == c and s["producer_wait"] > 0
+
+
 def test_traced_build_compiles_clean_and_the_default_has_no_trace(tmp_path, monkeypatch):
     compiler_or_skip()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
