@@ -187,12 +187,13 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
 
 
 @contextlib.contextmanager
-def traced_headers():
-    """A copy of the kernel headers whose 1D2D kernel stamps (FP8GEMM_TRACE defined)."""
+def traced_headers(include: Path | None = None):
+    """A copy of the kernel headers (this tree's, or those under `include`) whose 1D2D kernel
+    stamps (FP8GEMM_TRACE defined)."""
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
     with tempfile.TemporaryDirectory() as tmp:
         dst = Path(tmp) / "include"
-        shutil.copytree(sm90_fp8_gemm_1d2d.INCLUDE_DIR, dst)
+        shutil.copytree(include or sm90_fp8_gemm_1d2d.INCLUDE_DIR, dst)
         header = dst / "fp8gemm" / "sm90_fp8_gemm_1d2d.cuh"
         header.write_text("#define FP8GEMM_TRACE 1\n" + header.read_text())
         yield dst
@@ -204,6 +205,9 @@ def main() -> int:
     ap.add_argument("shape")
     ap.add_argument("op", choices=["dense", "dgrad", "contiguous", "offsets", "masked"])
     ap.add_argument("variant", nargs="?", default="base")
+    ap.add_argument("--headers", type=Path,
+                    help="trace the kernels of another copy of the headers (an include folder, "
+                    "as scripts/cuda_tiles.py --headers takes them)")
     ap.add_argument("--dump", help="also write the stamps as JSON here ([CTA][role] of "
                     "[tag, clock] pairs, with the config)")
     args = ap.parse_args()
@@ -224,7 +228,8 @@ def main() -> int:
     data = make_data(Case("timeline", args.op, m, n, k, groups=g, sizes=sizes),
                      torch.device("cuda"))
     caches: dict = {}
-    with traced_headers() as include, ct.kernel_headers(include, caches):
+    headers = ct.parse_headers(f"x={args.headers}")["x"] if args.headers else None
+    with traced_headers(headers) as include, ct.kernel_headers(include, caches):
         call = variant_call(args.variant, args.op, data, g, m, n, k)[0]
         call()
         torch.cuda.synchronize()

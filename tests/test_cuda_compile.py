@@ -708,16 +708,17 @@ def test_grouped_suite_kernels_compile_clean(tmp_path, monkeypatch):
         assert "CCTL.E.PF1" in sass, f"{case} {cfg}: no L1 prefetch of the grouped layout"
 
 
-# Contiguous 128-row tiles in 2-CTA clusters sharing B (not offered by the heuristic): the configs
-# the GPU test `test_contiguous_multicast_b` runs compile clean, with multicast loads.
-@pytest.mark.parametrize("bn,two_accum", [(128, True), (128, False), (160, False)])
+# Contiguous 128- and 256-row tiles in 2-CTA clusters sharing B (not offered by the heuristic):
+# the configs the GPU test `test_contiguous_multicast_b` runs compile clean, with multicast loads.
+@pytest.mark.parametrize("bm,bn,two_accum", [(128, 128, True), (128, 128, False), (128, 160, False),
+                                             (256, 128, False)])
 @pytest.mark.parametrize("n,k", [(1088, 896), (7168, 2048), (4096, 7168)])
-def test_contiguous_multicast_b_compiles_clean(n, k, bn, two_accum, tmp_path, monkeypatch):
+def test_contiguous_multicast_b_compiles_clean(n, k, bm, bn, two_accum, tmp_path, monkeypatch):
     compiler_or_skip()
     tool = _cuobjdump()
     monkeypatch.setenv("FP8GEMM_CACHE_DIR", str(tmp_path / "cache"))
-    stages = g.max_stages(128, bn, k, H200.smem_per_block, GemmKind.CONTIGUOUS)
-    cfg = g.Sm90Config(128, bn, stages, 2, False, g.BAND_SIZE, 132, two_accum)
+    stages = g.max_stages(bm, bn, k, H200.smem_per_block, GemmKind.CONTIGUOUS)
+    cfg = g.Sm90Config(bm, bn, stages, 2, False, g.BAND_SIZE, 132, two_accum)
     _, compiled, _, _ = g.compile_kernel(GemmKind.CONTIGUOUS, n, k, cfg)
     assert_clean_cubin(compiled, cfg, tool, tmp_path, str(cfg))
     path = tmp_path / "k.cubin"
@@ -726,15 +727,15 @@ def test_contiguous_multicast_b_compiles_clean(n, k, bn, two_accum, tmp_path, mo
 
 
 def test_multicast_refusals():
-    """Clusters need an even band and grid; a contiguous GEMM shares only B, of 128-row tiles;
-    offsets and masked GEMMs run without clusters."""
+    """Clusters need an even band and grid; a contiguous GEMM shares only B, of 128- or 256-row
+    tiles; offsets and masked GEMMs run without clusters."""
     contiguous = grouped_problem(GemmKind.CONTIGUOUS, 1024, 4, 0, 1088, 896)
     ok = g.Sm90Config(128, 128, 4, 2, False, g.BAND_SIZE, 132, False)
     for cfg, prob, why in [
             (replace(ok, grid=131), contiguous, "even grid"),
             (replace(ok, band_size=7), contiguous, "even band"),
-            (replace(ok, multicast_on_a=True), contiguous, "128-row tiles only"),
-            (replace(ok, block_m=256), contiguous, "128-row tiles only"),
+            (replace(ok, multicast_on_a=True), contiguous, "256-row tiles only"),
+            (replace(ok, block_m=64), contiguous, "256-row tiles only"),
             (ok, grouped_problem(GemmKind.OFFSETS, 1024, 4, 0, 1088, 896), "dense or contiguous"),
             (ok, grouped_problem(GemmKind.MASKED, 256, 4, 256, 1088, 896), "dense or contiguous"),
             (ok, problem(384, 1088, 896), "even block count")]:

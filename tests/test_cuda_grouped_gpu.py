@@ -155,7 +155,7 @@ def test_contiguous_256_row_tiles(layout, gpu_device):
     check_rows(out, ref, groups)
 
 
-@pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x160"])
+@pytest.mark.parametrize("tile", ["128x128-two-accum", "128x128", "128x160", "256x128"])
 @pytest.mark.parametrize("layout,sizes", [
     ("padded-128", [300, 129, 1000, 0, 700, 77]),   # 19 blocks: the last pair has one
     ("unaligned", [50, 3, 200, 77, 530, 301]),      # blocks of several groups, bad indices
@@ -163,12 +163,12 @@ def test_contiguous_256_row_tiles(layout, gpu_device):
     ("padded-128", [128] * 3),                      # 3 blocks, pairs of different groups
 ], ids=["odd-blocks", "unaligned", "padding-blocks", "one-block-groups"])
 def test_contiguous_multicast_b(layout, sizes, tile, gpu_device):
-    """2-CTA clusters sharing B between the pair's 128-row tiles where both are of one group, and
-    each loading its own otherwise; a CTA whose block has fewer groups than its peer's runs empty
-    tiles in step. Rows match float64 and rows of no group stay NaN; the sums are the same bits
+    """2-CTA clusters sharing B between the pair's 128- or 256-row tiles where both are of one
+    group, and each loading its own otherwise; a CTA whose block has fewer groups than its peer's
+    runs empty tiles in step. Rows match float64 and rows of no group stay NaN; the sums are the same bits
     whatever the grid (a tile's k-blocks are summed in one order)."""
-    bn, two_accum = (128, True) if tile == "128x128-two-accum" else (int(tile[4:]), False)
-    fields = dict(block_m=128, block_n=bn, two_accum=two_accum, num_multicast=2,
+    bm, bn = (int(v) for v in tile.split("-")[0].split("x"))
+    fields = dict(block_m=bm, block_n=bn, two_accum=tile.endswith("two-accum"), num_multicast=2,
                   multicast_on_a=False)
     torch.manual_seed(0)
     out, ref, groups, _ = contiguous_config_case(layout, sizes, 1088, 896, gpu_device, **fields)

@@ -114,3 +114,17 @@ def test_traced_build_compiles_clean_and_the_default_has_no_trace(tmp_path, monk
     assert b"fp8gemm_trace" not in plain.cubin
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", traced.log)]
     assert not any(spills), traced.log
+
+
+def test_traced_headers_copy_the_given_include_folder(tmp_path):
+    # --headers: another copy of the headers is traced, not this tree's
+    import shutil
+    inc = tmp_path / "include"
+    shutil.copytree(g2.INCLUDE_DIR, inc)
+    kernel = inc / "fp8gemm" / "sm90_fp8_gemm_1d2d.cuh"
+    kernel.write_text("// another copy\n" + kernel.read_text())
+    with tl.traced_headers(inc) as traced:
+        text = (traced / "fp8gemm" / "sm90_fp8_gemm_1d2d.cuh").read_text()
+    assert text.startswith("#define FP8GEMM_TRACE 1\n// another copy\n")
+    with tl.traced_headers() as traced:
+        assert "// another copy" not in (traced / "fp8gemm" / "sm90_fp8_gemm_1d2d.cuh").read_text()

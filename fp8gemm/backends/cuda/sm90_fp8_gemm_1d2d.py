@@ -416,7 +416,8 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     # NOTE: no clusters. Contiguous 128-row tiles in pairs sharing B (num_multicast=2, the
     # kernel's kPairs) ran 0.81-0.86x single-CTA 128x128 tiles with two accumulators on the
-    # H200, and 128x160 pairs 0.85-0.91x (docs/cuda.md, "The grouped kinds").
+    # H200, and 128x160 pairs 0.85-0.91x; 256x128 pairs 0.90-1.00x single 256x128 CTAs on an
+    # H100 (docs/cuda.md, "The grouped kinds" and "Where the time goes").
     return _config(min(cands, key=_rank), k, facts)
 
 
@@ -465,9 +466,9 @@ class Sm90Plan:
                 raise ValueError(f"config {cfg}: multicast needs an even band and an even grid")
             if problem.kind is GemmKind.CONTIGUOUS:
                 # pairs of m-blocks sharing B (the kernel's kPairs): any block count
-                if cfg.multicast_on_a or cfg.block_m != 128:
+                if cfg.multicast_on_a or cfg.block_m < 128:
                     raise ValueError(f"config {cfg}: a contiguous GEMM multicasts B between "
-                                     f"128-row tiles only")
+                                     f"128- or 256-row tiles only")
             else:
                 blocks = (ceil_div(self.n, cfg.block_n) if cfg.multicast_on_a
                           else ceil_div(self.m, cfg.block_m))

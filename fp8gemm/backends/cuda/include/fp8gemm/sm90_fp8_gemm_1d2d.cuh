@@ -246,8 +246,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   static_assert(SHAPE_N % 8 == 0, "TMA store needs bf16 output rows of a multiple of 16 bytes");
   static_assert(kNumTMAMulticast == 1 || kNumTMAMulticast == 2, "clusters of 1 or 2 CTAs");
   static_assert(kKind == kKindDense || kNumTMAMulticast == 1 ||
-                    (kPairs && !kIsMulticastOnA && BLOCK_M == 128),
-                "grouped kernels run without clusters, but for contiguous 128-row tiles sharing B");
+                    (kPairs && !kIsMulticastOnA && BLOCK_M >= 128),
+                "grouped kernels run without clusters, but for contiguous 128- or 256-row tiles "
+                "sharing B");
   static_assert(kKind == kKindDense || !kHasC, "C is a dense kernel's input");
   static_assert(kNumTMAMulticast == 1 || kBandSize % 2 == 0, "cluster pairs must share a band");
   static_assert(kNumStages >= 2, "at least double buffering");
@@ -681,10 +682,12 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // at or past masked_m) issues no wgmma and promotes nothing: it only waits for the stages
       // and releases them, in step with the other warpgroup. (BLOCK_M = 128 only: with one math
       // warpgroup a tile has rows in it, and the waves of a 256-row tile run through both.)
+      // A pair's empty tile (halves == 0) idles both warpgroups, whatever the tile height.
       constexpr bool kSkipsHalves = kKind != kKindDense && kNumMathThreads == 256 && kNumWaves == 1;
+      const bool idle = kSkipsHalves ? !((tile.halves >> warpgroup) & 1u) : tile.halves == 0;
       // NOTE: the idle k-loop is a branch of its own: a wgmma under a run-time condition inside
       // the unrolled k-blocks makes ptxas serialise every wgmma of the kernel (C7514).
-      if (kSkipsHalves && !((tile.halves >> warpgroup) & 1u)) {
+      if ((kSkipsHalves || kPairs) && idle) {
         const uint32_t kb1 = kb_end(tile);
         for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
           mbar_wait(&full_bar[stage], phase);
