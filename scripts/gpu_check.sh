@@ -24,7 +24,8 @@
 #                      of a family timed against its choice and peers in one run), each at most
 #                      TILES_TIMEOUT=150 s -> tiles.log, tiles-1.json, tiles-2.json, ...
 #   TIMELINE="ARGS; ARGS"  also scripts/timeline_1d2d.py once per ';'-separated argument list
-#                      (SHAPE OP [VARIANT]: a traced 1D2D build, the cycles with no wgmma in flight
+#                      (SHAPE OP [VARIANT]: a traced 1D2D build, or VARIANT `deepgemm` DeepGEMM's
+#                      kernel traced alike; the cycles with no wgmma in flight
 #                      by cause), each at most 120 s -> timeline.log, timeline-1.json (stamps), ...
 #   DG_CORE=1          also DeepGEMM's own tests/test_core.py (DEEPGEMM_DIR) against the drop-in
 #                      fp8gemm.compat.deep_gemm installed as `deep_gemm` -> dg_core.log (240 s)

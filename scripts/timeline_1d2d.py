@@ -6,7 +6,8 @@
         block_n=160+num_multicast=2+multicast_on_a=0+num_stages=4
 
 SHAPE, OP and VARIANT as scripts/ncu_call.py takes them (VARIANT in scripts/cuda_tiles.py's
-syntax, default the heuristic's config). The kernel headers are copied to a temporary folder with
+syntax, default the heuristic's config; `deepgemm`: DeepGEMM's kernel on its own config, from a
+copy of the peer whose kernel source is patched with the same stamps, for measurement only). The kernel headers are copied to a temporary folder with
 FP8GEMM_TRACE defined (sm90_fp8_gemm_1d2d.cuh: thread 0 of each warpgroup of the first 8 CTAs
 stamps its events, the untraced build compiles them to nothing), the config runs once to warm up
 and once traced, and the stamps are read back from the kernel's `fp8gemm_trace` global.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -160,7 +162,8 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
       the rest spent with them in flight; flight: median cycles from sending a waited k-block's
       loads (sent before the wait began) to its landing; refill: median cycles from the later
       warpgroup's wgmma completion on a stage to the producer finding it free again, k-block
-      j + num_stages (its release; in a cluster also the peer CTA's)."""
+      j + num_stages (its release; in a cluster also the peer CTA's); issue: median cycles from
+      the producer finding a stage free to its loads issued."""
     sent = [t for tag, t in producer if tag == SENT]
     free = [t for tag, t in producer if tag == SLOT_FREE]
     wgs = [kblocks(ev) for ev in maths]
@@ -183,7 +186,8 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
         return sorted(v)[len(v) // 2] if v else None
 
     return {"late": late / max(1, late + in_flight), "flight": median(flights),
-            "refill": median(refills), "kblocks": n}
+            "issue": median([s - f for s, f in zip(sent, free)]), "refill": median(refills),
+            "kblocks": n}
 
 
 @contextlib.contextmanager
@@ -199,34 +203,79 @@ def traced_headers(include: Path | None = None):
         yield dst
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("shape")
-    ap.add_argument("op", choices=["dense", "dgrad", "contiguous", "offsets", "masked"])
-    ap.add_argument("variant", nargs="?", default="base")
-    ap.add_argument("--headers", type=Path,
-                    help="trace the kernels of another copy of the headers (an include folder, "
-                    "as scripts/cuda_tiles.py --headers takes them)")
-    ap.add_argument("--dump", help="also write the stamps as JSON here ([CTA][role] of "
-                    "[tag, clock] pairs, with the config)")
-    args = ap.parse_args()
+# DeepGEMM's sm90 kernel (deep_gemm/include/deep_gemm/fp8_gemm.cuh of the peer in .peers), traced
+# in a patched copy for measurement: (pattern, stamp) pairs, the stamp inserted after the first
+# match of each pattern (SLOT_FREE after the producer's wait for a free stage, SENT after its
+# expected-bytes arrival, which follows its loads; the math warpgroups' LANDED, ISSUED, DONE and
+# PROMOTED around their k-block; EPILOGUE before the wait for the previous store, EPILOGUE_END after
+# the store's issue). The stages that a K not a multiple of the ring's K leaves empty in the last
+# turn (waited for and released, nothing loaded) are not stamped, by its producer or its math
+# warpgroups alike.
+_DG_STAMPS = (
+    (r"empty_barriers\[s\]->wait\(\(scheduler\.current_iter \* kNumIterations \+ k_iter \+ 1\) & 1\);\n",
+     SLOT_FREE),
+    (r"full_barrier\.arrive_and_expect_tx\([^\n]*\n", SENT),
+    (r"full_barriers\[s\]->wait\(\(scheduler\.current_iter \* kNumIterations \+ k_iter\) & 1\);\n",
+     LANDED),
+    (r"warpgroup_commit_batch\(\);\n", ISSUED),
+    (r"warpgroup_wait<0>\(\);\n", DONE),
+    (r"shifted_accum\[i \* 4 \+ 3\] \+= [^\n]*\n[ \t]*\}\n", PROMOTED),
+)
 
+
+def deepgemm_traced_source(text: str, buffer_address: int) -> str:
+    """DeepGEMM's fp8_gemm.cuh with the stamps of this script's tags written by thread 0 of each
+    warpgroup of the first TRACE_CTAS CTAs into the TRACE_CTAS x TRACE_ROLES x TRACE_EVENTS
+    words at `buffer_address` (a device buffer the caller owns)."""
+    stamp = (f"#define FP8GEMM_DG_STAMP(tag) do {{ if (blockIdx.x < {TRACE_CTAS} && "
+             f"threadIdx.x % 128 == 0 && trace_count < {TRACE_EVENTS}) {{ "
+             f"const unsigned long long t_ = clock64(); "
+             f"reinterpret_cast<unsigned long long*>({buffer_address:#x}ull)"
+             f"[(blockIdx.x * {TRACE_ROLES} + threadIdx.x / 128) * {TRACE_EVENTS} + trace_count++] "
+             f"= ((unsigned long long)(tag) << 56) | (t_ & ((1ull << 56) - 1)); }} }} while (0)\n")
+
+    def after(pattern: str, insert: str, text: str) -> str:
+        match = re.search(pattern, text)
+        if match is None:
+            raise SystemExit(f"DeepGEMM's kernel source has no match for {pattern!r}: "
+                             f"its stamps need new anchors")
+        return text[:match.end()] + insert + text[match.end():]
+
+    text = after(r"#pragma once\n", stamp, text)
+    # (one counter a thread, declared before the kernel splits into producer and math)
+    text = after(r"auto scheduler = Scheduler<[^\n]*\n", "    uint32_t trace_count = 0;\n", text)
+    for pattern, tag in _DG_STAMPS:
+        text = after(pattern, f"FP8GEMM_DG_STAMP({tag});\n", text)
+    epilogue = text.find("// Wait last TMA store to be finished\n")
+    if epilogue < 0:
+        raise SystemExit("DeepGEMM's kernel source has no epilogue anchor: its stamps need new "
+                         "anchors")
+    line = text.rindex("\n", 0, epilogue) + 1
+    text = text[:line] + f"FP8GEMM_DG_STAMP({EPILOGUE});\n" + text[line:]
+    # the epilogue ends at the math branch's last __syncwarp
+    end = text.rindex("__syncwarp();\n") + len("__syncwarp();\n")
+    return text[:end] + f"FP8GEMM_DG_STAMP({EPILOGUE_END});\n" + text[end:]
+
+
+def infer_num_stages(producer: list[tuple[int, int]], maths: list[list[tuple[int, int]]]) -> int:
+    """The ring's depth, from the stamps alone: the stages the producer found free before any
+    math warpgroup had completed a wgmma (all of them, at the start)."""
+    first_done = min((t for ev in maths for tag, t in ev if tag == DONE), default=None)
+    if first_done is None:
+        return 0
+    return sum(1 for tag, t in producer if tag == SLOT_FREE and t < first_done)
+
+
+def trace_ours(args, data, g: int, m: int, n: int, k: int):
+    """(config, num_stages, stamps[CTA][role]) of our 1D2D kernel's config args.variant."""
     import torch
     from cuda.bindings import driver as cu
 
     import cuda_tiles as ct
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d
-    from fp8gemm.bench.impls import make_data
-    from fp8gemm.bench.suites import Case, skewed_sizes
     from fp8gemm.jit import driver
     from ncu_call import variant_call
 
-    dims = [int(v) for v in args.shape.lstrip("s").split("x")]
-    g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
-    sizes = skewed_sizes(g * m, g) if args.shape.startswith("s") else ()
-    data = make_data(Case("timeline", args.op, m, n, k, groups=g, sizes=sizes),
-                     torch.device("cuda"))
     caches: dict = {}
     headers = ct.parse_headers(f"x={args.headers}")["x"] if args.headers else None
     with traced_headers(headers) as include, ct.kernel_headers(include, caches):
@@ -245,22 +294,91 @@ def main() -> int:
     host = torch.empty(nbytes // 8, dtype=torch.int64)
     driver.check(cu.cuMemcpyDtoH(host.data_ptr(), dptr, nbytes), "cuMemcpyDtoH")
     words = host.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
-    stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
     cfg = plans[0].cfg
+    return str(cfg), cfg.num_stages, words
+
+
+def trace_deepgemm(args, data):
+    """(config, num_stages, words) of DeepGEMM's own call, its kernel stamped in a patched copy
+    of the peer (DEEPGEMM_DIR, default .peers/deepgemm) compiled in a cache of its own."""
+    import os
+
+    import torch
+
+    from fp8gemm.bench.impls import make_impl
+
+    src = Path(os.environ.get("DEEPGEMM_DIR", ROOT / ".peers" / "deepgemm"))
+    if not (src / "deep_gemm").is_dir():
+        raise SystemExit(f"no DeepGEMM checkout at {src} (DEEPGEMM_DIR)")
+    if "deep_gemm" in sys.modules:
+        raise SystemExit("deep_gemm is already imported: the traced copy must be the first")
+    words = torch.zeros(TRACE_CTAS * TRACE_ROLES * TRACE_EVENTS, dtype=torch.int64,
+                        device="cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        dst = Path(tmp) / "deepgemm"
+        shutil.copytree(src, dst)
+        header = dst / "deep_gemm" / "include" / "deep_gemm" / "fp8_gemm.cuh"
+        header.write_text(deepgemm_traced_source(header.read_text(), words.data_ptr()))
+        sys.path.insert(0, str(dst))
+        os.environ["DG_JIT_CACHE_DIR"] = str(Path(tmp) / "cache")
+        impl = make_impl("deepgemm", data)
+        impl.fn()
+        torch.cuda.synchronize()
+        words.zero_()
+        impl.fn()
+        torch.cuda.synchronize()
+    words = words.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
+    stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
+    stages = max(infer_num_stages(st[2], st[:2]) for st in stamps)
+    return "DeepGEMM's own config", stages, words
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape")
+    ap.add_argument("op", choices=["dense", "dgrad", "contiguous", "offsets", "masked"])
+    ap.add_argument("variant", nargs="?", default="base",
+                    help="our config (scripts/cuda_tiles.py's syntax), or `deepgemm`: "
+                    "DeepGEMM's kernel on its own config, traced with the same stamps")
+    ap.add_argument("--headers", type=Path,
+                    help="trace the kernels of another copy of the headers (an include folder, "
+                    "as scripts/cuda_tiles.py --headers takes them)")
+    ap.add_argument("--dump", help="also write the stamps as JSON here ([CTA][role] of "
+                    "[tag, clock] pairs, with the config)")
+    args = ap.parse_args()
+
+    import torch
+
+    from fp8gemm.bench.impls import make_data
+    from fp8gemm.bench.suites import Case, skewed_sizes
+
+    dims = [int(v) for v in args.shape.lstrip("s").split("x")]
+    g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
+    sizes = skewed_sizes(g * m, g) if args.shape.startswith("s") else ()
+    data = make_data(Case("timeline", args.op, m, n, k, groups=g, sizes=sizes),
+                     torch.device("cuda"))
+    if args.variant == "deepgemm":
+        config, num_stages, words = trace_deepgemm(args, data)
+    else:
+        config, num_stages, words = trace_ours(args, data, g, m, n, k)
+    stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
+    print(f"{config}: {num_stages} stages")
     if args.dump:
         Path(args.dump).write_text(json.dumps({
-            "shape": args.shape, "op": args.op, "variant": args.variant, "config": str(cfg),
-            "num_stages": cfg.num_stages, "stamps": stamps}))
+            "shape": args.shape, "op": args.op, "variant": args.variant, "config": config,
+            "num_stages": num_stages, "stamps": stamps}))
     print(f"{'CTA':>3} {'window':>10} {'no wgmma':>8}  "
           + "  ".join(f"{c:>10}" for c in IDLE_CAUSES) + "  producer waits  per warpgroup "
-          "(mean cycles: mma / promote / wait)")
+          "(mean cycles: issue / mma / promote / wait)")
     chains = []
     for cta in range(TRACE_CTAS):
-        s = summarise(dict(enumerate(stamps[cta])), cfg.num_stages)
+        s = summarise(dict(enumerate(stamps[cta])), num_stages)
         if not s:
             continue
-        wgs = "  ".join(f"wg{r}: {w.get('mma', 0):.0f} / {w.get('promote', 0):.0f} / "
-                        f"{w.get('wait', 0):.0f}" for r, w in s["per_wg"].items())
+        wgs = "  ".join(f"wg{r}: " + " / ".join(f"{w.get(x, 0):.0f}" for x in
+                                                ("issue", "mma", "promote", "wait"))
+                        for r, w in s["per_wg"].items())
         pw = "-" if s["producer_wait"] is None else f"{s['producer_wait']:.1%}"
         print(f"{cta:>3} {s['window']:>10} {s['idle']:>8.1%}  "
               + "  ".join(f"{s['idle_by'][c]:>10.1%}" for c in IDLE_CAUSES)
@@ -268,11 +386,12 @@ def main() -> int:
         if s["chain"]:
             chains.append((cta, s["chain"]))
     print("stage waits: share before the loads were sent; median cycles in flight (sent before "
-          "the wait) and from the last wgmma on a stage to its refill")
+          "the wait), from a free stage to its loads sent, and from the last wgmma on a stage "
+          "to its refill")
     for cta, c in chains:
-        print(f"{cta:>3} {c['kblocks']:>6} k-blocks  late {c['late']:>6.1%}  flight "
-              f"{c['flight'] if c['flight'] is not None else '-':>6}  refill "
-              f"{c['refill'] if c['refill'] is not None else '-':>6}")
+        print(f"{cta:>3} {c['kblocks']:>6} k-blocks  late {c['late']:>6.1%}"
+              + "".join(f"  {key} {'-' if c[key] is None else c[key]:>6}"
+                        for key in ("flight", "issue", "refill")))
     return 0
 
 

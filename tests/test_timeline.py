@@ -4,6 +4,7 @@ kernel with FP8GEMM_TRACE) compiling clean beside an untraced build that has no 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_stage_chain_reads_the_flight_and_the_refill():
     # the stage was found free, 40 cycles after the last wgmma on it
     prod, wgs = _ring(50, num_stages=2, flight=900, refill=40)
     c = tl.stage_chain(prod, wgs, num_stages=2)
-    assert c["kblocks"] == 50 and c["refill"] == 40
+    assert c["kblocks"] == 50 and c["refill"] == 40 and c["issue"] == 5
     assert c["late"] == 0.0 and c["flight"] == 900
     # four stages hide that flight: no k-block waits
     prod, wgs = _ring(50, num_stages=4, flight=900, refill=40)
@@ -128,3 +129,71 @@ def test_traced_headers_copy_the_given_include_folder(tmp_path):
     assert text.startswith("#define FP8GEMM_TRACE 1\n// another copy\n")
     with tl.traced_headers() as traced:
         assert "// another copy" not in (traced / "fp8gemm" / "sm90_fp8_gemm_1d2d.cuh").read_text()
+
+
+def test_ring_depth_is_read_from_the_stamps():
+    for stages in (2, 4, 5):
+        prod, wgs = _ring(30, num_stages=stages, flight=900, refill=40)
+        assert tl.infer_num_stages(prod, wgs) == stages
+    assert tl.infer_num_stages([(tl.SLOT_FREE, 0)], [[]]) == 0
+
+
+def _deepgemm_kernel_source():
+    root = Path(__file__).resolve().parents[1]
+    for peers in (root / ".peers", root.parent / "shared" / "peers"):
+        path = peers / "deepgemm" / "deep_gemm" / "include" / "deep_gemm" / "fp8_gemm.cuh"
+        if path.is_file():
+            return path.read_text()
+    pytest.skip("no DeepGEMM checkout in .peers or ../shared/peers")
+
+
+def test_deepgemm_source_takes_every_stamp_once():
+    text = _deepgemm_kernel_source()
+    traced = tl.deepgemm_traced_source(text, 0x7F0000000000)
+    # the macro, the counter and one stamp per tag, each after its anchor
+    assert traced.count("#define FP8GEMM_DG_STAMP") == 1
+    assert traced.count("uint32_t trace_count = 0;") == 1
+    for tag in range(tl.SLOT_FREE, tl.EPILOGUE_END + 1):
+        assert traced.count(f"FP8GEMM_DG_STAMP({tag});") == 1, tag
+    order = [traced.index(f"FP8GEMM_DG_STAMP({t});") for t in
+             (tl.SLOT_FREE, tl.SENT, tl.LANDED, tl.ISSUED, tl.DONE, tl.PROMOTED, tl.EPILOGUE,
+              tl.EPILOGUE_END)]
+    assert order == sorted(order)
+    assert "0x7f0000000000ull" in traced
+    # nothing else of the kernel changed
+    stripped = "\n".join(line for line in traced.splitlines()
+                         if "FP8GEMM_DG_STAMP" not in line and "trace_count = 0" not in line)
+    assert stripped == "\n".join(text.splitlines())
+
+
+def test_deepgemm_source_without_an_anchor_is_refused():
+    with pytest.raises(SystemExit, match="anchors"):
+        tl.deepgemm_traced_source("#pragma once\nint main() {}\n", 0)
+
+
+def test_deepgemm_traced_kernel_compiles(tmp_path):
+    # the stamps sit where the counter is in scope: DeepGEMM's contiguous 128x160 pairs compile
+    import shutil
+    import subprocess
+    text = _deepgemm_kernel_source()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    root = Path(__file__).resolve().parents[1]
+    src = next(p / "deepgemm" / "deep_gemm" / "include" for p in
+               (root / ".peers", root.parent / "shared" / "peers")
+               if (p / "deepgemm" / "deep_gemm" / "include").is_dir())
+    inc = tmp_path / "include"
+    shutil.copytree(src, inc)
+    (inc / "deep_gemm" / "fp8_gemm.cuh").write_text(tl.deepgemm_traced_source(text, 0x7F0000000000))
+    cu = tmp_path / "k.cu"
+    cu.write_text("#include <cuda.h>\n#include <cuda_bf16.h>\n#include <cuda_fp8.h>\n"
+                  "#include <deep_gemm/fp8_gemm.cuh>\nusing namespace deep_gemm;\n"
+                  "void* kernel_address() { return reinterpret_cast<void*>(&fp8_gemm_kernel<4096, "
+                  "7168, 128, 160, 128, 0, 64, 16, 4, 128, 128, 2, false, "
+                  "GemmType::GroupedContiguous>); }\n")
+    run = subprocess.run([nvcc, "-std=c++20", "-arch=sm_90a", "-cubin", "-I", str(inc),
+                          "--diag-suppress=39,161,174,177,186,940", "-o", str(tmp_path / "k.cubin"),
+                          str(cu)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "k.cubin").stat().st_size > 0
