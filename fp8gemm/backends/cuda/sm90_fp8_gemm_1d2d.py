@@ -416,7 +416,7 @@ def _select_grouped(kind: GemmKind, rows: int, groups: int, n: int, k: int,
         raise ValueError(f"no sm90 tile fits {facts.smem_per_block} bytes of shared memory for K={k}")
     # NOTE: no clusters. Contiguous 128-row tiles in pairs sharing B (num_multicast=2, the
     # kernel's kPairs) ran 0.81-0.86x single-CTA 128x128 tiles with two accumulators on the
-    # H200, and 128x160 pairs 0.85-0.91x; 256x128 pairs 0.90-1.00x single 256x128 CTAs on an
+    # H200, and 128x160 pairs 0.85-0.91x; 256x128 pairs 0.84-0.96x single 256x128 CTAs on an
     # H100 (docs/cuda.md, "The grouped kinds" and "Where the time goes").
     return _config(min(cands, key=_rank), k, facts)
 
