@@ -298,7 +298,7 @@ def trace_ours(args, data, g: int, m: int, n: int, k: int):
     return str(cfg), cfg.num_stages, words
 
 
-def trace_deepgemm(args, data):
+def trace_deepgemm(data):
     """(config, num_stages, words) of DeepGEMM's own call, its kernel stamped in a patched copy
     of the peer (DEEPGEMM_DIR, default .peers/deepgemm) compiled in a cache of its own."""
     import os
@@ -359,7 +359,7 @@ def main() -> int:
     data = make_data(Case("timeline", args.op, m, n, k, groups=g, sizes=sizes),
                      torch.device("cuda"))
     if args.variant == "deepgemm":
-        config, num_stages, words = trace_deepgemm(args, data)
+        config, num_stages, words = trace_deepgemm(data)
     else:
         config, num_stages, words = trace_ours(args, data, g, m, n, k)
     stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
