@@ -21,7 +21,9 @@ Printed per traced CTA, over the window in which every role was still stamping: 
 the cycles with no wgmma in flight in any math warpgroup, and what the warpgroups were doing then
 (waiting for a stage, issuing, promoting, in the epilogue); the mean cycles of a k-block's
 wgmma, promotion and stage wait per warpgroup; and the producer's share of the window spent
-waiting for a free stage.
+waiting for a free stage. Then each k-block followed through the stage ring (stage_chain), and
+the epilogue's mean cycles per warpgroup, whole and by phase (its first barrier, the writes to
+shared memory, its second barrier, the stores' issue).
 """
 
 from __future__ import annotations
@@ -42,16 +44,23 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # The tags of sm90_fp8_gemm_1d2d.cuh's TraceTag, and the trace buffer's shape.
 SLOT_FREE, SENT, LANDED, ISSUED, DONE, PROMOTED, EPILOGUE, EPILOGUE_END = range(1, 9)
+EPI_SYNCED, EPI_WRITTEN, EPI_STORING = range(9, 12)  # the epilogue's phases
 TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS = 8, 3, 8192
 # Where no wgmma is in flight, what the math warpgroups are doing, most telling first: one
 # waiting for its stage explains the idle tensor cores before one promoting does.
 IDLE_CAUSES = ("stage wait", "epilogue", "promotion", "issue", "other")
+# The epilogue's phases: waiting at its first barrier (for the other warpgroup, and for the
+# previous tile's store to have read shared memory), writing the sums to shared memory, waiting
+# at its second barrier, issuing the stores.
+EPILOGUE_PHASES = ("epi_wait", "epi_write", "epi_sync", "epi_store")
 _STATE_OF = {"wait": "stage wait", "epilogue": "epilogue", "promote": "promotion",
-             "issue": "issue"}
+             "issue": "issue", **{phase: "epilogue" for phase in EPILOGUE_PHASES}}
 # A math warpgroup's state between two consecutive stamps (tag before, tag after).
 _STATE_BETWEEN = {(PROMOTED, LANDED): "wait", (EPILOGUE_END, LANDED): "wait",
                   (LANDED, ISSUED): "issue", (ISSUED, DONE): "mma", (DONE, PROMOTED): "promote",
-                  (EPILOGUE, EPILOGUE_END): "epilogue"}
+                  (EPILOGUE, EPILOGUE_END): "epilogue",
+                  (EPILOGUE, EPI_SYNCED): "epi_wait", (EPI_SYNCED, EPI_WRITTEN): "epi_write",
+                  (EPI_WRITTEN, EPI_STORING): "epi_sync", (EPI_STORING, EPILOGUE_END): "epi_store"}
 
 
 def decode(words) -> list[tuple[int, int]]:
@@ -119,8 +128,8 @@ def summarise(roles: dict[int, list[tuple[int, int]]], num_stages: int | None = 
             states.append(lst[i][2] if i < len(lst) and lst[i][0] <= a < lst[i][1] else None)
         if "mma" in states:
             continue
-        cause = next((_STATE_OF[s] for s in ("wait", "epilogue", "promote", "issue")
-                      if s in states), "other")
+        causes = {_STATE_OF[s] for s in states if s in _STATE_OF}
+        cause = next((c for c in IDLE_CAUSES if c in causes), "other")
         idle[cause] += b - a
     span = max(1, t1 - t0)
     per_wg = {}
@@ -128,13 +137,28 @@ def summarise(roles: dict[int, list[tuple[int, int]]], num_stages: int | None = 
         by = defaultdict(list)
         for a, b, s in ivs[r]:
             by[s].append(b - a)
-        per_wg[r] = {s: sum(v) / len(v) for s, v in by.items()}
+        # (the whole epilogue, from its start to its stores' issue, whether or not it has phases)
+        by.pop("epilogue", None)
+        by["epilogue"] = epilogue_spans(roles[r])
+        per_wg[r] = {s: sum(v) / len(v) for s, v in by.items() if v}
     return {"window": span, "idle": sum(idle.values()) / span,
             "idle_by": {c: idle[c] / span for c in IDLE_CAUSES},
             "per_wg": per_wg,
             "producer_wait": producer_wait(roles[producer[0]], t0, t1) if producer else None,
             "chain": (stage_chain(roles[producer[0]], [roles[r] for r in maths], num_stages)
                       if producer and num_stages else None)}
+
+
+def epilogue_spans(events: list[tuple[int, int]]) -> list[int]:
+    """Cycles of each of a math warpgroup's epilogues, from its start to its stores' issue."""
+    spans, start = [], None
+    for tag, t in events:
+        if tag == EPILOGUE:
+            start = t
+        elif tag == EPILOGUE_END and start is not None:
+            spans.append(t - start)
+            start = None
+    return spans
 
 
 def kblocks(events: list[tuple[int, int]]) -> list[dict]:
@@ -207,10 +231,11 @@ def traced_headers(include: Path | None = None):
 # in a patched copy for measurement: (pattern, stamp) pairs, the stamp inserted after the first
 # match of each pattern (SLOT_FREE after the producer's wait for a free stage, SENT after its
 # expected-bytes arrival, which follows its loads; the math warpgroups' LANDED, ISSUED, DONE and
-# PROMOTED around their k-block; EPILOGUE before the wait for the previous store, EPILOGUE_END after
-# the store's issue). The stages that a K not a multiple of the ring's K leaves empty in the last
-# turn (waited for and released, nothing loaded) are not stamped, by its producer or its math
-# warpgroups alike.
+# PROMOTED around their k-block; EPILOGUE before the wait for the previous store, EPI_SYNCED after
+# the barrier that follows it, EPI_WRITTEN after the shared-memory writes' fence, EPI_STORING
+# after the next barrier, EPILOGUE_END after the stores' issue). The stages that a K not a
+# multiple of the ring's K leaves empty in the last turn (waited for and released, nothing
+# loaded) are not stamped, by its producer or its math warpgroups alike.
 _DG_STAMPS = (
     (r"empty_barriers\[s\]->wait\(\(scheduler\.current_iter \* kNumIterations \+ k_iter \+ 1\) & 1\);\n",
      SLOT_FREE),
@@ -220,6 +245,12 @@ _DG_STAMPS = (
     (r"warpgroup_commit_batch\(\);\n", ISSUED),
     (r"warpgroup_wait<0>\(\);\n", DONE),
     (r"shifted_accum\[i \* 4 \+ 3\] \+= [^\n]*\n[ \t]*\}\n", PROMOTED),
+    # the epilogue's phases: its first barrier, its shared-memory writes fenced, its second
+    (r"// Wait last TMA store to be finished\n(?:[^\n]*\n){0,3}?"
+     r"[ \t]*cutlass::arch::NamedBarrier\(kNumMathThreads\)\.sync\(\);\n", EPI_SYNCED),
+    (r"cute::tma_store_fence\(\);\n", EPI_WRITTEN),
+    (r"cute::tma_store_fence\(\);\n(?:FP8GEMM_DG_STAMP\(\d+\);\n)?"
+     r"[ \t]*cutlass::arch::NamedBarrier\(kNumMathThreads\)\.sync\(\);\n", EPI_STORING),
 )
 
 
@@ -371,7 +402,7 @@ def main() -> int:
     print(f"{'CTA':>3} {'window':>10} {'no wgmma':>8}  "
           + "  ".join(f"{c:>10}" for c in IDLE_CAUSES) + "  producer waits  per warpgroup "
           "(mean cycles: issue / mma / promote / wait)")
-    chains = []
+    chains, epilogues = [], []
     for cta in range(TRACE_CTAS):
         s = summarise(dict(enumerate(stamps[cta])), num_stages)
         if not s:
@@ -385,6 +416,7 @@ def main() -> int:
               + f"  {pw:>14}  {wgs}")
         if s["chain"]:
             chains.append((cta, s["chain"]))
+        epilogues.append((cta, s["per_wg"]))
     print("stage waits: share before the loads were sent; median cycles in flight (sent before "
           "the wait), from a free stage to its loads sent, and from the last wgmma on a stage "
           "to its refill")
@@ -392,6 +424,13 @@ def main() -> int:
         print(f"{cta:>3} {c['kblocks']:>6} k-blocks  late {c['late']:>6.1%}"
               + "".join(f"  {key} {'-' if c[key] is None else c[key]:>6}"
                         for key in ("flight", "issue", "refill")))
+    print("epilogue, mean cycles per warpgroup: whole (first barrier / shared-memory writes / "
+          "second barrier / stores issued)")
+    for cta, per_wg in epilogues:
+        print(f"{cta:>3}  " + "  ".join(
+            f"wg{r}: {w.get('epilogue', 0):.0f} ("
+            + " / ".join(f"{w.get(phase, 0):.0f}" for phase in EPILOGUE_PHASES) + ")"
+            for r, w in per_wg.items()))
     return 0
 
 

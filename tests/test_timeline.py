@@ -153,11 +153,11 @@ def test_deepgemm_source_takes_every_stamp_once():
     # the macro, the counter and one stamp per tag, each after its anchor
     assert traced.count("#define FP8GEMM_DG_STAMP") == 1
     assert traced.count("uint32_t trace_count = 0;") == 1
-    for tag in range(tl.SLOT_FREE, tl.EPILOGUE_END + 1):
+    for tag in range(tl.SLOT_FREE, tl.EPI_STORING + 1):
         assert traced.count(f"FP8GEMM_DG_STAMP({tag});") == 1, tag
     order = [traced.index(f"FP8GEMM_DG_STAMP({t});") for t in
              (tl.SLOT_FREE, tl.SENT, tl.LANDED, tl.ISSUED, tl.DONE, tl.PROMOTED, tl.EPILOGUE,
-              tl.EPILOGUE_END)]
+              tl.EPI_SYNCED, tl.EPI_WRITTEN, tl.EPI_STORING, tl.EPILOGUE_END)]
     assert order == sorted(order)
     assert "0x7f0000000000ull" in traced
     # nothing else of the kernel changed
@@ -197,3 +197,21 @@ def test_deepgemm_traced_kernel_compiles(tmp_path):
                           str(cu)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+def test_epilogue_phases_are_idle_epilogue_time_and_averaged_whole():
+    # both warpgroups' k-blocks, then an epilogue: warpgroup 0's in four phases of 100, 200,
+    # 300 and 400 cycles, warpgroup 1's stamped whole; the 1000 cycles count as epilogue
+    wg0 = _kblocks(0, mma=300, promote=200, wait=0, n=4)
+    t = wg0[-1][1]
+    wg0 += [(tl.EPILOGUE, t), (tl.EPI_SYNCED, t + 100), (tl.EPI_WRITTEN, t + 300),
+            (tl.EPI_STORING, t + 600), (tl.EPILOGUE_END, t + 1000), (tl.LANDED, t + 1000)]
+    wg1 = _kblocks(0, mma=300, promote=200, wait=0, n=4)
+    wg1 += [(tl.EPILOGUE, t), (tl.EPILOGUE_END, t + 1000), (tl.LANDED, t + 1000)]
+    s = tl.summarise({0: wg0, 1: wg1})
+    w = s["per_wg"][0]
+    assert w["epilogue"] == 1000
+    assert [w[p] for p in tl.EPILOGUE_PHASES] == [100, 200, 300, 400]
+    assert s["idle_by"]["epilogue"] * s["window"] == pytest.approx(1000)
+    assert s["per_wg"][1]["epilogue"] == 1000 and "epi_wait" not in s["per_wg"][1]
+    assert tl.epilogue_spans(wg0) == [1000] and tl.epilogue_spans(wg1[:-3]) == []

@@ -53,6 +53,9 @@ enum TraceTag : uint32_t {
   kTracePromoted = 6,  // math: its sums are promoted
   kTraceEpilogue = 7,  // math: a tile's epilogue starts
   kTraceEpilogueEnd = 8,
+  kTraceEpilogueSynced = 9,   // math: past the epilogue's first barrier (the previous store read)
+  kTraceEpilogueWritten = 10,  // math: its sums written to shared memory and fenced
+  kTraceEpilogueStoring = 11,  // math: past its second barrier, before the stores' issue
 };
 
 #ifdef FP8GEMM_TRACE
@@ -503,8 +506,11 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
               final_acc[w][i + 1] += __ldg(c_row + col + 1);
             });
       }
+      // (the one-accumulator loop's epilogue is traced in phases; kStampEpilogue)
+      constexpr bool kStampEpilogue = !kTwoAccum && kNumSplits == 1;
       if (threadIdx.x == 0) tma_store_wait_read();
       named_barrier_sync(1, kNumMathThreads);
+      if constexpr (kStampEpilogue) FP8GEMM_STAMP(kTraceEpilogueSynced);
 #pragma unroll
       for (uint32_t w = 0; w < kNumWaves; ++w) {
         const uint32_t row = w * WAVE_M + r0;
@@ -527,7 +533,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         }
       }
       fence_proxy_async_smem();
+      if constexpr (kStampEpilogue) FP8GEMM_STAMP(kTraceEpilogueWritten);
       named_barrier_sync(1, kNumMathThreads);
+      if constexpr (kStampEpilogue) FP8GEMM_STAMP(kTraceEpilogueStoring);
       const uint32_t n0 = t.n_block * BLOCK_N;
       if (kKind != kKindDense && !t.full) {
         // Rows of other groups (or none) in the tile: stored row by row, 16 bytes a thread, so
