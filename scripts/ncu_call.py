@@ -57,12 +57,19 @@ def variant_call(spec: str, op: str, data, g: int, m: int, n: int, k: int):
                             out if wgrad else None, index)), out
 
 
-def main() -> None:
-    shape, impl, op = sys.argv[1:4]
+def shape_data(shape: str, op: str, name: str):
+    """(data, g, m, n, k): the bench's data of `op` for SHAPE as this script takes it (MxNxK,
+    GxMxNxK, sGxMxNxK for the moe-skewed suite's skewed sizes), on the GPU."""
     dims = [int(v) for v in shape.lstrip("s").split("x")]
     g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
     sizes = skewed_sizes(g * m, g) if shape.startswith("s") else ()
-    data = make_data(Case("ncu", op, m, n, k, groups=g, sizes=sizes), torch.device("cuda"))
+    data = make_data(Case(name, op, m, n, k, groups=g, sizes=sizes), torch.device("cuda"))
+    return data, g, m, n, k
+
+
+def main() -> None:
+    shape, impl, op = sys.argv[1:4]
+    data, g, m, n, k = shape_data(shape, op, "ncu")
     name, _, spec = impl.partition(":")
     fn = variant_call(spec, op, data, g, m, n, k)[0] if spec else make_impl(impl, data).fn
     torch.cuda.synchronize()

@@ -103,11 +103,17 @@ def producer_wait(events: list[tuple[int, int]], t0: int, t1: int) -> float:
     return waited / max(1, t1 - t0)
 
 
-def summarise(roles: dict[int, list[tuple[int, int]]], num_stages: int | None = None) -> dict:
-    """Summary of one CTA's stamps (role -> [(tag, clock)]; roles with SLOT_FREE stamps are the
-    producer, the others math warpgroups); with num_stages, also its stage_chain."""
+def split_roles(roles: dict[int, list[tuple[int, int]]]) -> tuple[list[int], list[int]]:
+    """(producer roles, math warpgroup roles) of one CTA's stamps: the producer is the role
+    that stamps SLOT_FREE, whichever warpgroup it is."""
     producer = [r for r, ev in roles.items() if any(tag == SLOT_FREE for tag, _ in ev)]
-    maths = [r for r, ev in roles.items() if ev and r not in producer]
+    return producer, [r for r, ev in roles.items() if ev and r not in producer]
+
+
+def summarise(roles: dict[int, list[tuple[int, int]]], num_stages: int | None = None) -> dict:
+    """Summary of one CTA's stamps (role -> [(tag, clock)], split_roles); with num_stages, also
+    its stage_chain."""
+    producer, maths = split_roles(roles)
     if not maths:
         return {}
     # the window every role was stamping in
@@ -297,8 +303,14 @@ def infer_num_stages(producer: list[tuple[int, int]], maths: list[list[tuple[int
     return sum(1 for tag, t in producer if tag == SLOT_FREE and t < first_done)
 
 
+def read_stamps(words) -> list[list[list[tuple[int, int]]]]:
+    """[CTA][role] of [(tag, clock)] from the trace buffer's words."""
+    words = words.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
+    return [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
+
+
 def trace_ours(args, data, g: int, m: int, n: int, k: int):
-    """(config, num_stages, stamps[CTA][role]) of our 1D2D kernel's config args.variant."""
+    """(config, num_stages, stamps: read_stamps) of our 1D2D kernel's config args.variant."""
     import torch
     from cuda.bindings import driver as cu
 
@@ -324,13 +336,12 @@ def trace_ours(args, data, g: int, m: int, n: int, k: int):
         torch.cuda.synchronize()
     host = torch.empty(nbytes // 8, dtype=torch.int64)
     driver.check(cu.cuMemcpyDtoH(host.data_ptr(), dptr, nbytes), "cuMemcpyDtoH")
-    words = host.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
     cfg = plans[0].cfg
-    return str(cfg), cfg.num_stages, words
+    return str(cfg), cfg.num_stages, read_stamps(host)
 
 
 def trace_deepgemm(data):
-    """(config, num_stages, words) of DeepGEMM's own call, its kernel stamped in a patched copy
+    """(config, num_stages, stamps) of DeepGEMM's own call, its kernel stamped in a patched copy
     of the peer (DEEPGEMM_DIR, default .peers/deepgemm) compiled in a cache of its own."""
     import os
 
@@ -358,10 +369,13 @@ def trace_deepgemm(data):
         words.zero_()
         impl.fn()
         torch.cuda.synchronize()
-    words = words.view(TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS).tolist()
-    stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
-    stages = max(infer_num_stages(st[2], st[:2]) for st in stamps)
-    return "DeepGEMM's own config", stages, words
+    stamps = read_stamps(words.cpu())
+    stages = 0
+    for st in stamps:
+        producer, maths = split_roles(dict(enumerate(st)))
+        if producer:
+            stages = max(stages, infer_num_stages(st[producer[0]], [st[r] for r in maths]))
+    return "DeepGEMM's own config", stages, stamps
 
 
 def main() -> int:
@@ -379,21 +393,13 @@ def main() -> int:
                     "[tag, clock] pairs, with the config)")
     args = ap.parse_args()
 
-    import torch
+    from ncu_call import shape_data
 
-    from fp8gemm.bench.impls import make_data
-    from fp8gemm.bench.suites import Case, skewed_sizes
-
-    dims = [int(v) for v in args.shape.lstrip("s").split("x")]
-    g, (m, n, k) = (dims[0], dims[1:]) if len(dims) == 4 else (1, dims)
-    sizes = skewed_sizes(g * m, g) if args.shape.startswith("s") else ()
-    data = make_data(Case("timeline", args.op, m, n, k, groups=g, sizes=sizes),
-                     torch.device("cuda"))
+    data, g, m, n, k = shape_data(args.shape, args.op, "timeline")
     if args.variant == "deepgemm":
-        config, num_stages, words = trace_deepgemm(data)
+        config, num_stages, stamps = trace_deepgemm(data)
     else:
-        config, num_stages, words = trace_ours(args, data, g, m, n, k)
-    stamps = [[decode(words[cta][r]) for r in range(TRACE_ROLES)] for cta in range(TRACE_CTAS)]
+        config, num_stages, stamps = trace_ours(args, data, g, m, n, k)
     print(f"{config}: {num_stages} stages")
     if args.dump:
         Path(args.dump).write_text(json.dumps({
