@@ -138,13 +138,18 @@ def test_ring_depth_is_read_from_the_stamps():
     assert tl.infer_num_stages([(tl.SLOT_FREE, 0)], [[]]) == 0
 
 
-def _deepgemm_kernel_source():
+def _deepgemm_include() -> Path:
+    """DeepGEMM's include folder, from .peers or ../shared/peers (skip without either)."""
     root = Path(__file__).resolve().parents[1]
     for peers in (root / ".peers", root.parent / "shared" / "peers"):
-        path = peers / "deepgemm" / "deep_gemm" / "include" / "deep_gemm" / "fp8_gemm.cuh"
-        if path.is_file():
-            return path.read_text()
+        include = peers / "deepgemm" / "deep_gemm" / "include"
+        if (include / "deep_gemm" / "fp8_gemm.cuh").is_file():
+            return include
     pytest.skip("no DeepGEMM checkout in .peers or ../shared/peers")
+
+
+def _deepgemm_kernel_source() -> str:
+    return (_deepgemm_include() / "deep_gemm" / "fp8_gemm.cuh").read_text()
 
 
 def test_deepgemm_source_takes_every_stamp_once():
@@ -179,10 +184,7 @@ def test_deepgemm_traced_kernel_compiles(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc")
-    root = Path(__file__).resolve().parents[1]
-    src = next(p / "deepgemm" / "deep_gemm" / "include" for p in
-               (root / ".peers", root.parent / "shared" / "peers")
-               if (p / "deepgemm" / "deep_gemm" / "include").is_dir())
+    src = _deepgemm_include()
     inc = tmp_path / "include"
     shutil.copytree(src, inc)
     (inc / "deep_gemm" / "fp8_gemm.cuh").write_text(tl.deepgemm_traced_source(text, 0x7F0000000000))
