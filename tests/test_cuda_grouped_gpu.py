@@ -165,8 +165,8 @@ def test_contiguous_256_row_tiles(layout, gpu_device):
 def test_contiguous_multicast_b(layout, sizes, tile, gpu_device):
     """2-CTA clusters sharing B between the pair's 128- or 256-row tiles where both are of one
     group, and each loading its own otherwise; a CTA whose block has fewer groups than its peer's
-    runs empty tiles in step. Rows match float64 and rows of no group stay NaN; the sums are the same bits
-    whatever the grid (a tile's k-blocks are summed in one order)."""
+    runs empty tiles in step. Rows match float64 and rows of no group stay NaN; the sums are the
+    same bits whatever the grid (a tile's k-blocks are summed in one order)."""
     bm, bn = (int(v) for v in tile.split("-")[0].split("x"))
     fields = dict(block_m=bm, block_n=bn, two_accum=tile.endswith("two-accum"), num_multicast=2,
                   multicast_on_a=False)
