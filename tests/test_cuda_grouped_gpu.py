@@ -321,6 +321,36 @@ def test_idle_half_warpgroup(kind, tile, gpu_device):
             grid=min(facts.num_sms, 2 * p.groups * ceil_div(p.n, bn))))
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
+def test_half_256_row_tiles(kind, gpu_device):
+    """256-row tiles whose group has rows in one 128-row half only (a block the 128-padded
+    contiguous layout shares between two groups, a group's last 1..128 rows) run that half's
+    wave alone from its own 128 A rows: against float64, and the same bits as 128x128 tiles
+    (each row's sums come from the same wgmma and promotions either way)."""
+    from dataclasses import replace
+
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as sm90
+    from fp8gemm.backends.family import DeviceFacts
+
+    def tile(cfg, p, block_m):
+        smem = DeviceFacts.of(gpu_device).smem_per_block
+        return replace(cfg, block_m=block_m, block_n=128, two_accum=False, num_multicast=1,
+                       splits=1, num_stages=sm90.max_stages(block_m, 128, p.k, smem, p.kind))
+
+    problems = []
+
+    def tall(base, facts, p):
+        problems.append(p)
+        return replace(tile(base, p, 256), grid=min(facts.num_sms, 2 * p.groups * 5))
+
+    sizes = [1, 64, 65, 128, 129, 200, 256, 257, 300, 0, 63, 320]
+    cfg, run = run_forced_grouped(kind, sizes, 128, gpu_device, tall)
+    half, whole = run(cfg), run(tile(cfg, problems[0], 128))
+    torch.cuda.synchronize()
+    assert torch.equal(half.isnan(), whole.isnan())
+    assert torch.equal(half.nan_to_num(), whole.nan_to_num()), "256-row halves differ from 128x128"
+
+
 @pytest.mark.parametrize("tile", ["64x128-two-accum", "64x128", "64x64-two-accum"])
 @pytest.mark.parametrize("kind", ["contiguous", "offsets", "masked"])
 def test_two_ctas_per_sm(kind, tile, gpu_device):

@@ -176,28 +176,28 @@ def valid_group(v: int, groups: int) -> int:
 
 
 def block_groups(layout: list[int], m0: int, block_m: int, groups: int):
-    """(sorted groups of the block's rows, the first group's halves, the block uniform)."""
+    """(sorted groups of the block's rows, each one's halves: bit h for rows in half h, the
+    block uniform)."""
     rows = layout[m0:m0 + block_m]
     gs = [valid_group(v, groups) for v in rows]
     present = sorted({g for g in gs if g >= 0})
     if not present:
-        return [], 0, False
-    first = present[0]
+        return [], [], False
     half = block_m // 2
-    halves = (int(first in gs[:half])) | (2 * int(first in gs[half:]))
-    uniform = all(g == first for g in gs)
+    halves = [int(g in gs[:half]) | 2 * int(g in gs[half:]) for g in present]
+    uniform = all(g == present[0] for g in gs)
     return present, halves, uniform
 
 
-def first_tile_fields(layout, m0, c: Sched, groups):
-    """The block's groups, and halves and full of its first group's tile: a block whose first
-    and last rows are one group is taken whole (the rows of a group are consecutive)."""
+def tile_fields(layout, m0, c: Sched, groups):
+    """The block's groups, each one's halves, and full of the first group's tile: a block whose
+    first and last rows are one group is taken whole (the rows of a group are consecutive)."""
     present, halves, uniform = block_groups(layout, m0, c.block_m, groups)
     m = len(layout)
     first = valid_group(layout[m0], groups) if m0 < m else -1
     last = valid_group(layout[min(m0 + c.block_m, m) - 1], groups)
     if first >= 0 and first == last:
-        return present, 3, True
+        return present, [3], True
     return present, halves, uniform
 
 
@@ -209,12 +209,9 @@ def expected_contiguous(c: Sched, grid: int, layout: list[int], groups: int):
         tiles = []
         for mb, nb in order[b::grid]:
             m0 = mb * c.block_m
-            present, halves, full = first_tile_fields(layout, m0, c, groups)
+            present, halves, full = tile_fields(layout, m0, c, groups)
             for i, g in enumerate(present):
-                if i == 0:
-                    tiles.append((m0, m0, nb, g, c.block_m, int(full), 0, halves, 0, 0))
-                else:
-                    tiles.append((m0, m0, nb, g, c.block_m, 0, 0, 3, 0, 0))
+                tiles.append((m0, m0, nb, g, c.block_m, int(full and i == 0), 0, halves[i], 0, 0))
         out.append(tiles)
     return out
 
@@ -229,9 +226,8 @@ def expected_pairs(c: Sched, grid: int, layout: list[int], groups: int):
             walks = []
             for rank in range(2):
                 m0 = (2 * pair + rank) * c.block_m
-                present, halves, full = first_tile_fields(layout, m0, c, groups)
-                walks.append([(g, halves if i == 0 else 3, full if i == 0 else False)
-                              for i, g in enumerate(present)])
+                present, halves, full = tile_fields(layout, m0, c, groups)
+                walks.append([(g, halves[i], full and i == 0) for i, g in enumerate(present)])
             for step in range(max(len(w) for w in walks)):
                 for rank in range(2):
                     own, peer = walks[rank], walks[rank ^ 1]

@@ -381,19 +381,20 @@ def _select_dense(m: int, n: int, k: int, facts: DeviceFacts) -> Sm90Config:
 
 # NOTE: the grouped tiles never cross a group: a group's last tile is partial, and a contiguous
 # block that holds several groups (a layout padded to 128 rows, tiles of 256) runs once per
-# group. 256-row tiles (3-11 % faster per FLOP than 128 where both fill the waves alike) therefore
-# need long groups: offsets from GROUPED_TALL_MIN_ROWS rows per group. A contiguous layout padded
-# to 128 rows repeats at most half a 256-row block per group boundary (which blocks hold two
-# groups is not known on the host), so it takes 256 from CONTIGUOUS_TALL_MIN_ROWS padded rows per
-# group on average: on the H200 256x128 ran 1-5 % faster than 128x128 on groups of 4096 and 8192
-# rows, -2 / +2 % on 8 skewed experts of 4096 rows on average (N x K = 4096x7168 / 7168x2048),
-# 4-7 % slower on 16 and 14-15 % on 32 skewed experts (2048 and 1024 rows). Masked groups start
-# on their own [Mmax, K] slice, so only the expected rows decide: from MASKED_TALL_MIN_ROWS (on
-# the H200, 4 x 256 and 2 x 512 rows of N = 4096, K = 7168 ran 1.13x and 1.07x faster in 256-row
-# tiles than in the 128-row ones the model picked).
+# group. A 256-row tile whose group fills one 128-row half only runs that half alone (the kernel's
+# kHalfTiles: about the cost of a 128-row tile), so the waste is a partial half per group end.
+# 256-row tiles (3-11 % faster per FLOP than 128 where both fill the waves alike) therefore need
+# groups of a few blocks: offsets from GROUPED_TALL_MIN_ROWS rows per group, contiguous from
+# CONTIGUOUS_TALL_MIN_ROWS padded rows per group on average (which blocks hold two groups is not
+# known on the host). On an H100, same run, the moe-skewed suite's experts (N x K = 4096x7168 /
+# 7168x2048) in 256x128 tiles against the 128x192 ones the model picks: contiguous 16 experts of
+# 2048 rows on average 1.09x / 1.05x, 32 of 1024 0.92x / 0.94x; offsets 32 of 1024 1.12x / 1.02x.
+# Masked groups start on their own [Mmax, K] slice, so only the expected rows decide: from
+# MASKED_TALL_MIN_ROWS (on the H200, 4 x 256 and 2 x 512 rows of N = 4096, K = 7168 ran 1.13x and
+# 1.07x faster in 256-row tiles than in the 128-row ones the model picked).
 GROUPED_BLOCK_M_CHOICES = (64, 128, 256)
-GROUPED_TALL_MIN_ROWS = 2048
-CONTIGUOUS_TALL_MIN_ROWS = 4096
+GROUPED_TALL_MIN_ROWS = 1024
+CONTIGUOUS_TALL_MIN_ROWS = 2048
 MASKED_TALL_MIN_ROWS = 256
 
 
@@ -522,9 +523,12 @@ class Sm90Plan:
         # complete the stage's barrier).
         map_a = tm.get(a.dtype, a.data_ptr(), (k, rows), (row_stride(a2) * a.element_size(),),
                        (BLOCK_K, min(cfg.block_m, m)), jit.Swizzle.B128)
-        # Dense: the last m-block's rows when M is not a multiple of BLOCK_M (the kernel's
-        # tmap_a_tail; unused otherwise).
-        tail_rows = m % cfg.block_m if self.kind is GemmKind.DENSE and m > cfg.block_m else 0
+        # The kernel's tmap_a_tail, unused otherwise: dense, the last m-block's rows when M is
+        # not a multiple of BLOCK_M; grouped 256-row tiles, one half's 128 rows (kHalfTiles).
+        if self.kind is GemmKind.DENSE:
+            tail_rows = m % cfg.block_m if m > cfg.block_m else 0
+        else:
+            tail_rows = 128 if cfg.block_m == 256 and m >= 256 else 0
         map_a_tail = tm.get(a.dtype, a.data_ptr(), (k, rows), (row_stride(a2) * a.element_size(),),
                             (BLOCK_K, tail_rows), jit.Swizzle.B128) if tail_rows else map_a
         map_b = tm.get(b.dtype, b.data_ptr(), (k, b_rows), (k * b.element_size(),),

@@ -107,6 +107,12 @@ struct Split {
   static constexpr uint32_t value = V;
 };
 
+// The waves of a tile a k-loop runs: bit w for wave w.
+template <uint32_t V>
+struct Waves {
+  static constexpr uint32_t value = V;
+};
+
 // f(Split<n0 % 128>{}) for a tile at column n0: n0 is a multiple of BLOCK_N, so n0 % 128 is a
 // multiple of kStep = pow2_factor_128(BLOCK_N) in [kLo, kHi]; a binary search over those values
 // calls the instance of f whose split is a constant.
@@ -230,6 +236,22 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // NOTE: a contiguous kernel in 2-CTA clusters shares B between the pair's tiles where both are
   // of one group (sm90_scheduler.cuh, kPairs); the pair runs every tile in step, empty ones too.
   constexpr bool kPairs = kKind == kKindContiguous && kNumTMAMulticast > 1;
+  // NOTE: a grouped 256-row tile whose group has rows in one 128-row half only (a contiguous
+  // block shared by two groups of a layout padded to 128 rows, a group's last 1-128 rows) runs
+  // that half's wave alone: the producer loads its 128 A rows (tmap_a_tail, a 128-row box), the
+  // math warpgroups issue and promote one wave a k-block, and the masked store skips the other
+  // half. Such a run costs about as much as a 128x BLOCK_N tile instead of a whole 256-row one.
+  // (Only where the A map's box is 256 rows: shape_m >= BLOCK_M.)
+  constexpr bool kHalfTiles = kKind != kKindDense && BLOCK_M == 256 && !kPairs && !kTwoAccum &&
+                              kNumSplits == 1;
+  // The waves a tile runs (all of them, or one half's).
+  constexpr uint32_t kAllWaves = (1u << kNumWaves) - 1;
+  auto waves_of = [shape_m](const Tile& t) -> uint32_t {
+    if constexpr (kHalfTiles)
+      return shape_m >= BLOCK_M && (t.halves == 1 || t.halves == 2) ? t.halves : kAllWaves;
+    else
+      return kAllWaves;
+  };
   // Output tile in shared memory: kNumDChunks column chunks of 64 (128 bytes a row, 128-byte
   // swizzle, one TMA store each through tmap_d), then the last BLOCK_N % 64 columns unswizzled
   // (tmap_d_tail).
@@ -296,7 +318,7 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     tma_prefetch_descriptor(&tmap_sa);
     tma_prefetch_descriptor(&tmap_d);
     tma_prefetch_descriptor(&tmap_d_tail);
-    if constexpr (kKind == kKindDense) tma_prefetch_descriptor(&tmap_a_tail);
+    if constexpr (kKind == kKindDense || kHalfTiles) tma_prefetch_descriptor(&tmap_a_tail);
   }
   // One arrival per math warp of every CTA that writes into a stage frees it.
   if (threadIdx.x == 0)
@@ -370,6 +392,19 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           tx_bytes = rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
         }
       }
+      // A half tile: its half's 128 A rows (tmap_a_tail), into that half of the stage.
+      int32_t a_m0 = m0;
+      uint32_t a_dst = 0;
+      if constexpr (kHalfTiles) {
+        const uint32_t waves = waves_of(t);
+        if (waves != kAllWaves) {
+          const uint32_t h = waves >> 1;
+          map_a = &tmap_a_tail;
+          a_m0 += static_cast<int32_t>(h * 128);
+          a_dst = h * 128 * BLOCK_K;
+          tx_bytes = 128 * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
+        }
+      }
       const uint32_t kb1 = kb_end(t);
       if constexpr (kPairs) {
         // An empty tile: the stages complete on the arrival alone.
@@ -391,15 +426,15 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         uint64_t* bar = &full_bar[stage];
         mbar_arrive_expect_tx(bar, tx_bytes);
         const int32_t k0 = static_cast<int32_t>(kb * BLOCK_K);
-        uint8_t* dst_a = smem_a + stage * Layout::SMEM_A;
+        uint8_t* dst_a = smem_a + stage * Layout::SMEM_A + a_dst;
         uint8_t* dst_b = smem_b + stage * Layout::SMEM_B;
         // NOTE: with a cluster, the leader loads the shared operand once into both CTAs; the
         // other CTA's barrier still expects those bytes, so both count them in tx_bytes (the
         // pair shares that operand's block, and with it any tail box of it).
         if (kNumTMAMulticast > 1 && kIsMulticastOnA) {
-          if (is_leader) tma_load_2d_multicast(dst_a, map_a, bar, k0, m0, 0b11);
+          if (is_leader) tma_load_2d_multicast(dst_a, map_a, bar, k0, a_m0, 0b11);
         } else {
-          tma_load_2d(dst_a, map_a, bar, k0, m0);
+          tma_load_2d(dst_a, map_a, bar, k0, a_m0);
         }
         if (multicast_b) {
           if (is_leader) tma_load_2d_multicast(dst_b, &tmap_b, bar, k0, n0, 0b11);
@@ -511,8 +546,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       if (threadIdx.x == 0) tma_store_wait_read();
       named_barrier_sync(1, kNumMathThreads);
       if constexpr (kStampEpilogue) FP8GEMM_STAMP(kTraceEpilogueSynced);
+      const uint32_t waves = waves_of(t);  // (a half tile's other wave holds nothing to store)
 #pragma unroll
       for (uint32_t w = 0; w < kNumWaves; ++w) {
+        if (!((waves >> w) & 1u)) continue;
         const uint32_t row = w * WAVE_M + r0;
 #pragma unroll
         for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
@@ -541,7 +578,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // Rows of other groups (or none) in the tile: stored row by row, 16 bytes a thread, so
         // that only the group's own rows are written. TMA cannot mask rows.
         constexpr uint32_t kUnitsPerRow = BLOCK_N / 8;
-        for (uint32_t i = threadIdx.x; i < BLOCK_M * kUnitsPerRow; i += kNumMathThreads) {
+        const uint32_t row_lo = waves & 1u ? 0 : WAVE_M, row_hi = (waves & 2u ? 2 : 1) * WAVE_M;
+        for (uint32_t i = row_lo * kUnitsPerRow + threadIdx.x; i < row_hi * kUnitsPerRow;
+             i += kNumMathThreads) {
           const uint32_t row = i / kUnitsPerRow, u = i % kUnitsPerRow;
           const uint32_t col = n0 + u * 8;
           bool ok = col < SHAPE_N;
@@ -762,7 +801,9 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // NOTE: the next k-block's stage is tested (no wait) before this k-block's last
         // promotion, so that where it has landed its wgmma issues right after the promotion,
         // without the barrier's round trip between the two.
-        auto kloop = [&](auto split) {
+        auto kloop = [&](auto split, auto waves) {
+          constexpr uint32_t kWaves = decltype(waves)::value;
+          constexpr uint32_t kFirstWave = kWaves & 1u ? 0 : 1, kLastWave = kWaves & 2u ? 1 : 0;
           bool ready = false;
           for (uint32_t kb = kb_begin(tile); kb < kb1; ++kb) {
             if (!ready) mbar_wait(&full_bar[stage], phase);
@@ -770,12 +811,13 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
             const float sb0 = smem_sb[kb], sb1 = smem_sb[kNumKBlocks + kb];
 #pragma unroll
             for (uint32_t w = 0; w < kNumWaves; ++w) {
+              if (!((kWaves >> w) & 1u)) continue;  // (a constant once unrolled)
               const float sa0 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M];
               const float sa1 = sa_rows[stage * Layout::kSaStage + sa_off + w * WAVE_M + 8];
               issue(acc, w);
-              if (w == 0) FP8GEMM_STAMP(kTraceIssued);
+              if (w == kFirstWave) FP8GEMM_STAMP(kTraceIssued);
               wgmma_wait<0>();
-              if (w + 1 == kNumWaves) {
+              if (w == kLastWave) {
                 FP8GEMM_STAMP(kTraceDone);
                 release(stage);
                 next_stage();
@@ -795,13 +837,24 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         // ran 1.07x faster than with the selects, 128x192 1.03-1.04x, 128x96 1.11x (M = 4096,
         // dense and contiguous). 8 or more instances (kSplitStep 16 or 8) keep the selects
         // (16 instances of the per-k-block variant ran 5 % slower than them at 256x136).
+        // A half tile's k-loop is an instance of its own, its one wave a constant.
+        auto run = [&](auto split) {
+          if constexpr (kHalfTiles) {
+            const uint32_t waves = waves_of(tile);
+            if (waves == 1) kloop(split, Waves<1>{});
+            else if (waves == 2) kloop(split, Waves<2>{});
+            else kloop(split, Waves<kAllWaves>{});
+          } else {
+            kloop(split, Waves<kAllWaves>{});
+          }
+        };
         constexpr uint32_t kSplitStep = pow2_factor_128(BLOCK_N);
         if constexpr (128 % BLOCK_N == 0)
-          kloop(Split<0>{});  // a tile never straddles two scale blocks
+          run(Split<0>{});  // a tile never straddles two scale blocks
         else if constexpr (kSplitStep >= 32)
-          with_split<kSplitStep, 0, 128 - kSplitStep>(n0 % 128, kloop);
+          with_split<kSplitStep, 0, 128 - kSplitStep>(n0 % 128, run);
         else
-          kloop(Split<kAnySplit>{});
+          run(Split<kAnySplit>{});
       }
 
       if constexpr (kNumSplits > 1) {

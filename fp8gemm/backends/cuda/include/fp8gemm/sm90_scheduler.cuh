@@ -59,6 +59,17 @@ __device__ __forceinline__ void prefetch_words_l1(const int32_t* p, uint32_t n) 
   for (uint32_t i = lane_idx() * 32; i < n; i += 32 * 32) prefetch_l1(p + i);
 }
 
+// The halves of a contiguous-layout block (BlockGroups::halves) that hold rows of group g, from
+// the groups of each lane's rows of it (lanes 0-15 hold the first half).
+template <uint32_t kRowsPerLane>
+__device__ __forceinline__ uint32_t block_halves(const int32_t (&groups)[kRowsPerLane], int32_t g) {
+  bool mine = false;
+#pragma unroll
+  for (uint32_t i = 0; i < kRowsPerLane; ++i) mine |= groups[i] == g;
+  const uint32_t ballot = __ballot_sync(0xffffffffu, mine);
+  return ((ballot & 0xffffu) != 0 ? 1u : 0u) | ((ballot >> 16) != 0 ? 2u : 0u);
+}
+
 // The group of row `row` of a contiguous layout; -1 for padding, rows past M and out-of-range
 // indices (a bad index is never used to address B).
 __device__ __forceinline__ int32_t row_group(const int32_t* layout, uint32_t row, uint32_t shape_m,
@@ -166,8 +177,8 @@ struct TileScheduler {
   // Pairs: past the walk's current tile.
   __device__ __forceinline__ void advance(BlockWalk& w) const {
     if (w.cur >= 0 && w.cur < w.last) {
-      w.cur = next_group_in_block(w.m0, w.cur);
-      w.uniform = false, w.halves = 3;
+      w.cur = next_group_in_block(w.m0, w.cur, w.halves);
+      w.uniform = false;
     } else {
       w.cur = -1;
     }
@@ -284,26 +295,27 @@ struct TileScheduler {
     r.first = warp_min_s32(lo);
     r.last = warp_max_s32(hi);
     r.uniform = r.first == r.last && !__any_sync(0xffffffffu, any_padding);
-    bool mine = false;
-#pragma unroll
-    for (uint32_t i = 0; i < kRowsPerLane; ++i) mine |= groups[i] == r.first;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, mine);
-    r.halves = ((ballot & 0xffffu) != 0 ? 1u : 0u) | ((ballot >> 16) != 0 ? 2u : 0u);
+    r.halves = block_halves(groups, r.first);
     return r;
   }
 
   // Contiguous: the smallest group above `after` that has rows in the block at m0 (num_groups
-  // when none).
-  __device__ __forceinline__ int32_t next_group_in_block(uint32_t m0, int32_t after) const {
+  // when none), and its halves (as BlockGroups::halves).
+  __device__ __forceinline__ int32_t next_group_in_block(uint32_t m0, int32_t after,
+                                                         uint32_t& halves) const {
     constexpr uint32_t kRowsPerLane = BLOCK_M / 32;
     const uint32_t lane = lane_idx();
     int32_t lo = static_cast<int32_t>(num_groups);
+    int32_t groups[kRowsPerLane];
 #pragma unroll
     for (uint32_t i = 0; i < kRowsPerLane; ++i) {
       const int32_t g = row_group(layout, m0 + lane * kRowsPerLane + i, shape_m, num_groups);
+      groups[i] = g;
       lo = g > after && g < lo ? g : lo;
     }
-    return warp_min_s32(lo);
+    lo = warp_min_s32(lo);
+    halves = block_halves(groups, lo);
+    return lo;
   }
 
   // The next tile of this CTA; false when none is left.
@@ -347,10 +359,10 @@ struct TileScheduler {
       static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 256, "whole rows per lane in a block scan");
       // The further groups of the block just returned, each under its row mask.
       if (extra_group < extra_last) {
-        extra_group = next_group_in_block(extra_m0, extra_group);
+        extra_group = next_group_in_block(extra_m0, extra_group, t.halves);
         t.m0 = t.sa_m = static_cast<int32_t>(extra_m0);
         t.n_block = extra_n, t.group = static_cast<uint32_t>(extra_group), t.rows = BLOCK_M;
-        t.full = false, t.b_once = false, t.halves = 3;
+        t.full = false, t.b_once = false;
         return true;
       }
       // A block of padding only is skipped: no loads, no MMA, no stores.
