@@ -547,26 +547,40 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       named_barrier_sync(1, kNumMathThreads);
       if constexpr (kStampEpilogue) FP8GEMM_STAMP(kTraceEpilogueSynced);
       const uint32_t waves = waves_of(t);  // (a half tile's other wave holds nothing to store)
+      // NOTE: two 8-column groups of the warp's 16 rows go out in one stmatrix (.x4: the group's
+      // rows r and r + 8, then the next group's), a quarter of the shared-memory stores of one
+      // 4-byte store per row and group. Lane l addresses row l % 8 of matrix l / 8: 8 rows
+      // further for matrices 1 and 3, one group (16-byte unit) right for 2 and 3.
+      // The output tile: 128-byte swizzled chunks of 64 columns (16-byte unit u of row r at
+      // (u % 8) ^ (r % 8)), then the last BLOCK_N % 64 columns unswizzled. A lane's row is
+      // lane % 8 modulo 8, and a pair starts on an even unit, so its unit in a chunk is
+      // (g % 8) ^ ((lane % 8) ^ (lane / 16)): one XOR with a per-lane constant a store.
+      const uint32_t st_row = r0 - lane / 4 + (lane / 8) % 2 * 8 + lane % 8;
+      const uint32_t st_chunks = smem_addr(smem_d) + st_row * 128;
+      const uint32_t st_swz = ((lane % 8) ^ (lane / 16)) * 16;
+      const uint32_t st_tail = smem_addr(smem_d) + kNumDChunks * BLOCK_M * 128 +
+                               st_row * (kTailCols * 2) + lane / 16 * 16;
+      constexpr uint32_t kGroups = BLOCK_N / 8;
 #pragma unroll
       for (uint32_t w = 0; w < kNumWaves; ++w) {
         if (!((waves >> w) & 1u)) continue;
-        const uint32_t row = w * WAVE_M + r0;
+        const float* f = final_acc[w];
 #pragma unroll
-        for (uint32_t g = 0; g < BLOCK_N / 8; ++g) {
-          const uint32_t p0 = pack_bf16x2(final_acc[w][4 * g + 0], final_acc[w][4 * g + 1]);
-          const uint32_t p1 = pack_bf16x2(final_acc[w][4 * g + 2], final_acc[w][4 * g + 3]);
-          if (g / 8 + 1 <= kNumDChunks) {  // (g < 8 * kNumDChunks, without a warning at 0 chunks)
-            // 16-byte unit g % 8 of row r sits at unit (g % 8) ^ (r % 8); row % 8 == (row + 8) % 8.
-            uint8_t* chunk = smem_d + (g / 8) * BLOCK_M * 128;
-            const uint32_t unit = ((g % 8) ^ (row % 8)) * 16 + col_in_group * 2;
-            st_shared_u32(chunk + row * 128 + unit, p0);
-            st_shared_u32(chunk + (row + 8) * 128 + unit, p1);
-          } else {
-            uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
-            const uint32_t col = (g - kNumDChunks * 8) * 8 + col_in_group;
-            st_shared_u32(tail + (row * kTailCols + col) * 2, p0);
-            st_shared_u32(tail + ((row + 8) * kTailCols + col) * 2, p1);
-          }
+        for (uint32_t g = 0; g + 1 < kGroups; g += 2) {
+          // (a pair never straddles a chunk and the tail: a chunk holds 8 groups)
+          const uint32_t addr = g / 8 + 1 <= kNumDChunks  // (g < 8 * kNumDChunks; 0 chunks)
+              ? st_chunks + ((g / 8) * BLOCK_M + w * WAVE_M) * 128 + ((g % 8) * 16 ^ st_swz)
+              : st_tail + (w * WAVE_M * kTailCols + (g - 8 * kNumDChunks) * 8) * 2;
+          stmatrix_x4(addr, pack_bf16x2(f[4 * g + 0], f[4 * g + 1]),
+                      pack_bf16x2(f[4 * g + 2], f[4 * g + 3]), pack_bf16x2(f[4 * g + 4], f[4 * g + 5]),
+                      pack_bf16x2(f[4 * g + 6], f[4 * g + 7]));
+        }
+        if constexpr (kGroups % 2 == 1) {  // the tail's odd last group: rows r0 and r0 + 8
+          constexpr uint32_t g = kGroups - 1, u = g - 8 * kNumDChunks;
+          uint8_t* tail = smem_d + kNumDChunks * BLOCK_M * 128;
+          const uint32_t row = w * WAVE_M + r0, col = u * 8 + col_in_group;
+          st_shared_u32(tail + (row * kTailCols + col) * 2, pack_bf16x2(f[4 * g + 0], f[4 * g + 1]));
+          st_shared_u32(tail + ((row + 8) * kTailCols + col) * 2, pack_bf16x2(f[4 * g + 2], f[4 * g + 3]));
         }
       }
       fence_proxy_async_smem();
