@@ -437,8 +437,8 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t value) {
 }
 
 // Four 8x8 bf16 matrices to shared memory (stmatrix .x4): lane l gives the shared-memory address
-// of row l % 8 of matrix l / 8; register j of each lane holds two columns of matrix j in the mma fragment
-// layout (row lane / 4, columns 2 * (lane % 4) and + 1), as the wgmma accumulators are laid out.
+// of row l % 8 of matrix l / 8; register j of each lane holds two columns of matrix j in the mma
+// fragment layout (row lane / 4, columns 2 * (lane % 4) and + 1), as the wgmma accumulators are.
 __device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t m0, uint32_t m1,
                                             uint32_t m2, uint32_t m3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(row_addr),
