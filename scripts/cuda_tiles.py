@@ -27,7 +27,8 @@ takes problems from, or one of `backends.cuda.TRIAL_FAMILIES` against the one it
 there a changed block_m also re-derives num_slots, the token tiles per group in the grid).
 
 Each config runs through the family's public `run`, is checked against the float64 product of the
-dequantised inputs (calc_diff < 1e-5, output poisoned first), then all of a shape's configs and
+dequantised inputs (calc_diff < 1e-5, output poisoned first, and the rows of no group, contiguous
+padding and masked rows past masked_m, still poisoned after), then all of a shape's configs and
 cuBLAS block-wise are timed together as the benchmark times (fp8gemm.bench.timing: cold L2,
 launch cost hidden, the calls taking turns run by run, median). Prints µs, TFLOPS, the speed-up
 over cuBLAS block-wise of the same run and the rate of L2 reads the tiles make (each tile's rows
@@ -370,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             diff = calc_diff(data.data_rows(out), ref)
             if not diff < MAX_DIFF:
                 print(f"{shape} {name}: WRONG, diff {diff:.2e}  ({cfg})", flush=True)
+                continue
+            if not in_place and not data.no_data_rows(out).isnan().all():
+                print(f"{shape} {name}: WRONG, rows of no group written  ({cfg})", flush=True)
                 continue
             calls[name] = fn
         cublas = "cublas-block-loop" if k_grouped else "cublas-block"

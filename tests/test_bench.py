@@ -576,6 +576,11 @@ def test_contiguous_and_offsets_data_share_rows():
     out = torch.arange(3 * 128 * 2, dtype=torch.float32).reshape(3, 128, 2)
     assert masked.data_rows(out).tolist() == (out[0, :1].tolist() + out[1, :9].tolist()
                                               + out[2, :5].tolist())
+    assert masked.no_data_rows(out).tolist() == (out[0, 1:].tolist() + out[1, 9:].tolist()
+                                                 + out[2, 5:].tolist())
+    cont_out = torch.arange(cont.a.shape[0] * 2, dtype=torch.float32).reshape(-1, 2)
+    assert torch.equal(cont.no_data_rows(cont_out), cont_out[pad])
+    assert offs.no_data_rows(torch.zeros(200, 24)).shape == (0, 24)
 
 
 def test_deepgemm_skips_cleanly_when_absent(monkeypatch):

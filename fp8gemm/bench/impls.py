@@ -212,6 +212,18 @@ class CaseData:
             return torch.cat([out[g, :n] for g, n in enumerate(self.case.group_sizes)])
         return out
 
+    def no_data_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The rows of an output in the op's layout that carry no data (contiguous: padding
+        rows; masked: rows at or past masked_m; none for the others), flattened to [rows, N]."""
+        op = self.case.op
+        if op == "contiguous":
+            keep = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+            keep[self.rows] = False
+            return out[keep]
+        if op == "masked":
+            return torch.cat([out[g, n:] for g, n in enumerate(self.case.group_sizes)])
+        return out[:0].reshape(0, out.shape[-1])
+
 
 def _u8_cat(ts: list[torch.Tensor]) -> torch.Tensor:
     """fp8 tensors flattened and concatenated (through uint8: cat of fp8 is not everywhere)."""
