@@ -169,16 +169,17 @@ def epilogue_spans(events: list[tuple[int, int]]) -> list[int]:
 
 def kblocks(events: list[tuple[int, int]]) -> list[dict]:
     """A math warpgroup's k-blocks in order: when it began waiting for the stage (its previous
-    promotion or epilogue end; None for its first), when the stage landed, its wgmma completed."""
-    out, wait_from, landed = [], None, None
+    promotion or epilogue end; None for its first), when the stage landed, its wgmma completed,
+    and whether it is a tile's first (the wait began at an epilogue's end)."""
+    out, wait_from, landed, first = [], None, None, False
     for tag, t in events:
         if tag == LANDED:
             landed = t
         elif tag == DONE and landed is not None:
-            out.append({"wait_from": wait_from, "landed": landed, "done": t})
+            out.append({"wait_from": wait_from, "landed": landed, "done": t, "first": first})
             landed = None
         elif tag in (PROMOTED, EPILOGUE_END):
-            wait_from = t
+            wait_from, first = t, tag == EPILOGUE_END
     return out
 
 
@@ -193,22 +194,32 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
       loads (sent before the wait began) to its landing; refill: median cycles from the later
       warpgroup's wgmma completion on a stage to the producer finding it free again, k-block
       j + num_stages (its release; in a cluster also the peer CTA's); issue: median cycles from
-      the producer finding a stage free to its loads issued."""
+      the producer finding a stage free to its loads issued; first_wait, wait: median cycles a
+      tile's first k-block and the others waited for their stage (every wait); first_flight: the
+      median flight of the waited first k-blocks.
+    A warpgroup that idles on some k-blocks (a 128-row tile's half without rows of the group)
+    stamps fewer of them: only the warpgroups that stamped the most are followed."""
     sent = [t for tag, t in producer if tag == SENT]
     free = [t for tag, t in producer if tag == SLOT_FREE]
     wgs = [kblocks(ev) for ev in maths]
-    n = min([len(sent)] + [len(k) for k in wgs])
+    most = max(len(k) for k in wgs)
+    wgs = [k for k in wgs if len(k) == most]
+    n = min(len(sent), most)
     late = in_flight = 0
-    flights, refills = [], []
+    flights, first_flights, refills = [], [], []
+    waits = {True: [], False: []}
     for j in range(n):
         for k in wgs:
             kb = k[j]
-            if kb["wait_from"] is None or kb["landed"] - kb["wait_from"] < min_wait:
+            if kb["wait_from"] is None:
+                continue
+            waits[kb["first"]].append(kb["landed"] - kb["wait_from"])
+            if kb["landed"] - kb["wait_from"] < min_wait:
                 continue
             late += max(0, min(sent[j], kb["landed"]) - kb["wait_from"])
             in_flight += kb["landed"] - max(sent[j], kb["wait_from"])
             if sent[j] <= kb["wait_from"]:
-                flights.append(kb["landed"] - sent[j])
+                (first_flights if kb["first"] else flights).append(kb["landed"] - sent[j])
         if j + num_stages < len(free):
             refills.append(free[j + num_stages] - max(k[j]["done"] for k in wgs))
 
@@ -217,7 +228,8 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
 
     return {"late": late / max(1, late + in_flight), "flight": median(flights),
             "issue": median([s - f for s, f in zip(sent, free)]), "refill": median(refills),
-            "kblocks": n}
+            "first_wait": median(waits[True]), "wait": median(waits[False]),
+            "first_flight": median(first_flights), "kblocks": n}
 
 
 @contextlib.contextmanager
@@ -425,11 +437,13 @@ def main() -> int:
         epilogues.append((cta, s["per_wg"]))
     print("stage waits: share before the loads were sent; median cycles in flight (sent before "
           "the wait), from a free stage to its loads sent, and from the last wgmma on a stage "
-          "to its refill")
+          "to its refill; median wait of a tile's first k-block and of the others, and the "
+          "first k-block's flight")
     for cta, c in chains:
         print(f"{cta:>3} {c['kblocks']:>6} k-blocks  late {c['late']:>6.1%}"
               + "".join(f"  {key} {'-' if c[key] is None else c[key]:>6}"
-                        for key in ("flight", "issue", "refill")))
+                        for key in ("flight", "issue", "refill", "first_wait", "wait",
+                                    "first_flight")))
     print("epilogue, mean cycles per warpgroup: whole (first barrier / shared-memory writes / "
           "second barrier / stores issued)")
     for cta, per_wg in epilogues:

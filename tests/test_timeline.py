@@ -64,10 +64,13 @@ def test_producer_wait_and_decode():
     assert tl.producer_wait(ev, 10, 80) == pytest.approx(50 / 70)
 
 
-def _ring(n, num_stages, flight, refill, mma=300, promote=200, lag=0):
+def _ring(n, num_stages, flight, refill, mma=300, promote=200, lag=0, tile=0, epilogue=0,
+          first_flight=None):
     """Stamps of a producer and two warpgroups running n k-blocks through a ring: a k-block's
     loads land `flight` cycles after they are sent, a stage is found free `refill` cycles after
-    the later warpgroup's wgmma on it completed; warpgroup 1 starts `lag` cycles late."""
+    the later warpgroup's wgmma on it completed; warpgroup 1 starts `lag` cycles late. With
+    `tile`, every tile of that many k-blocks ends in an epilogue of `epilogue` cycles, and a
+    tile's first k-block is in flight `first_flight` cycles."""
     prod, wgs = [], [[], []]
     free, sent, done = [], [], [[], []]
     promoted = [None, None]
@@ -75,13 +78,17 @@ def _ring(n, num_stages, flight, refill, mma=300, promote=200, lag=0):
         free.append(0 if j < num_stages else max(d[j - num_stages] for d in done) + refill)
         sent.append(free[-1] + 5)
         prod += [(tl.SLOT_FREE, free[-1]), (tl.SENT, sent[-1])]
+        first = tile and j % tile == 0 and j > 0
         for w in range(2):
             start = promoted[w] if promoted[w] is not None else lag * w
-            landed = max(start, sent[-1] + flight)
+            landed = max(start, sent[-1] + (first_flight if first else flight))
             done[w].append(landed + 1 + mma)
             promoted[w] = done[w][-1] + promote
             wgs[w] += [(tl.LANDED, landed), (tl.ISSUED, landed + 1), (tl.DONE, done[w][-1]),
                        (tl.PROMOTED, promoted[w])]
+            if tile and (j + 1) % tile == 0:
+                wgs[w] += [(tl.EPILOGUE, promoted[w]), (tl.EPILOGUE_END, promoted[w] + epilogue)]
+                promoted[w] += epilogue
     return prod, wgs
 
 
@@ -102,6 +109,24 @@ def test_stage_chain_reads_the_flight_and_the_refill():
     assert c["refill"] == 2000 and c["late"] > 0.5
     s = tl.summarise({0: wgs[0], 1: wgs[1], 2: prod}, num_stages=2)
     assert s["chain"] == c and s["producer_wait"] > 0
+
+
+def test_stage_chain_tells_a_tiles_first_k_block_from_the_others():
+    # four stages hide a 900-cycle flight in a tile, but a tile's first k-block, sent before the
+    # previous tile's last three and in flight 4000 cycles, outlasts that tile's 1000-cycle
+    # epilogue
+    prod, wgs = _ring(64, num_stages=4, flight=900, refill=40, tile=16, epilogue=1000,
+                      first_flight=4000)
+    c = tl.stage_chain(prod, wgs, num_stages=4)
+    assert c["wait"] == 0 and c["first_wait"] > 1000
+    # sent before the epilogue began, so waited with its loads in flight: the whole flight shows
+    assert c["first_flight"] == 4000 and c["flight"] is None
+    # a warpgroup that idles on a tile (no stamps for its second tile: 16 k-blocks of 4 stamps
+    # and the epilogue's 2) leaves the other to be followed
+    per_tile = 16 * 4 + 2
+    idle = wgs[1][:per_tile] + wgs[1][2 * per_tile:]
+    c2 = tl.stage_chain(prod, [wgs[0], idle], num_stages=4)
+    assert c2["kblocks"] == 64 and c2["refill"] == 40 and c2["first_flight"] == 4000
 
 
 def test_traced_build_compiles_clean_and_the_default_has_no_trace(tmp_path, monkeypatch):
