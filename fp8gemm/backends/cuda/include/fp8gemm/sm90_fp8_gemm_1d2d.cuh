@@ -232,10 +232,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
   // warpgroup, 216.
   constexpr uint32_t kProducerRegs = 40;
   // NOTE: a tile's first k-block waits for its stage (in traces of 128x192 and 256x128 tiles at
-  // 32 skewed experts, 7168x2048: 1600-1900 cycles a tile against 160-190 for the others): its
+  // 32 skewed experts, 7168x2048: 1550-1780 cycles a tile against 170-180 for the others): its
   // loads go out kNumStages k-blocks before the tile before it ends, and spend about twice the
   // usual time in flight. The producer sends that k-block of A and B to L2 kNextTileLead
-  // k-blocks earlier still (prefetch_next); the wait drops to about 1200 cycles. H100, two runs
+  // k-blocks earlier still (prefetch_next); the wait drops to about 1130 cycles. H100, two runs
   // against no prefetch (contiguous 16 and 32 skewed experts, 8 x 4096; dense at M = 4096): the
   // grouped shapes 1.004-1.014x (918.1 us against 939.2 at 32 x 1024 7168x2048), dense level.
   // Two k-blocks ahead gained no more; sent at a tile's first k-block (a tile too short for the
