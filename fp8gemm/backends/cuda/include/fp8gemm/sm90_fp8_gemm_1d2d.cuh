@@ -381,7 +381,6 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
     // past M is slow (M = 1 took 1.75x the time of M = 64). The rows past M in shared memory
     // keep stale bytes; they only feed output rows that the TMA store clips.
     const uint32_t a_rows = shape_m < BLOCK_M ? shape_m : BLOCK_M;
-    const uint32_t stage_tx_bytes = a_rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
     // NOTE: B of a group with one m-block is read by one tile only, so its lines go first in L2
     // (l2_policy_evict_first); other tiles' B keeps the default policy.
     const uint64_t policy_once = l2_policy_evict_first();
@@ -403,13 +402,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
       // through a box of exactly those rows (tmap_a_tail), for the same reason as above: at
       // M = 192 a 128-row tile's zero fill of 64 rows made the GEMM slower than at M = 256.
       const TmaDescriptor* map_a = &tmap_a;
-      uint32_t tx_bytes = stage_tx_bytes;
+      uint32_t box_rows = a_rows;  // A rows a k-block's load brings
       if constexpr (kKind == kKindDense) {
         const uint32_t rows = shape_m - static_cast<uint32_t>(m0);
-        if (rows < a_rows) {
-          map_a = &tmap_a_tail;
-          tx_bytes = rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
-        }
+        if (rows < a_rows) map_a = &tmap_a_tail, box_rows = rows;
       }
       // A half tile: its half's 128 A rows (tmap_a_tail), into that half of the stage.
       int32_t a_m0 = m0;
@@ -421,9 +417,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
           map_a = &tmap_a_tail;
           a_m0 += static_cast<int32_t>(h * 128);
           a_dst = h * 128 * BLOCK_K;
-          tx_bytes = 128 * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
+          box_rows = 128;
         }
       }
+      const uint32_t tx_bytes = box_rows * BLOCK_K + Layout::SMEM_B + Layout::kSaTxBytes;
       const uint32_t kb1 = kb_end(t);
       if constexpr (kPairs) {
         // An empty tile: the stages complete on the arrival alone.
