@@ -45,18 +45,24 @@ sys.path.insert(0, str(ROOT / "scripts"))
 # The tags of sm90_fp8_gemm_1d2d.cuh's TraceTag, and the trace buffer's shape.
 SLOT_FREE, SENT, LANDED, ISSUED, DONE, PROMOTED, EPILOGUE, EPILOGUE_END = range(1, 9)
 EPI_SYNCED, EPI_WRITTEN, EPI_STORING = range(9, 12)  # the epilogue's phases
+# A tile's start (not in DeepGEMM's traced kernel): past the barrier after its B scales went to
+# shared memory, then past the walk to the next tile (and its B scales' loads issued).
+TILE_SYNCED, TILE_READY = 12, 13
 TRACE_CTAS, TRACE_ROLES, TRACE_EVENTS = 8, 3, 8192
 # Where no wgmma is in flight, what the math warpgroups are doing, most telling first: one
 # waiting for its stage explains the idle tensor cores before one promoting does.
-IDLE_CAUSES = ("stage wait", "epilogue", "promotion", "issue", "other")
+IDLE_CAUSES = ("stage wait", "epilogue", "tile start", "promotion", "issue", "other")
 # The epilogue's phases: waiting at its first barrier (for the other warpgroup, and for the
 # previous tile's store to have read shared memory), writing the sums to shared memory, waiting
 # at its second barrier, issuing the stores.
 EPILOGUE_PHASES = ("epi_wait", "epi_write", "epi_sync", "epi_store")
 _STATE_OF = {"wait": "stage wait", "epilogue": "epilogue", "promote": "promotion",
-             "issue": "issue", **{phase: "epilogue" for phase in EPILOGUE_PHASES}}
+             "issue": "issue", "tile_sync": "tile start", "tile_walk": "tile start",
+             **{phase: "epilogue" for phase in EPILOGUE_PHASES}}
 # A math warpgroup's state between two consecutive stamps (tag before, tag after).
 _STATE_BETWEEN = {(PROMOTED, LANDED): "wait", (EPILOGUE_END, LANDED): "wait",
+                  (EPILOGUE_END, TILE_SYNCED): "tile_sync", (TILE_SYNCED, TILE_READY): "tile_walk",
+                  (TILE_READY, LANDED): "wait",
                   (LANDED, ISSUED): "issue", (ISSUED, DONE): "mma", (DONE, PROMOTED): "promote",
                   (EPILOGUE, EPILOGUE_END): "epilogue",
                   (EPILOGUE, EPI_SYNCED): "epi_wait", (EPI_SYNCED, EPI_WRITTEN): "epi_write",
@@ -169,17 +175,22 @@ def epilogue_spans(events: list[tuple[int, int]]) -> list[int]:
 
 def kblocks(events: list[tuple[int, int]]) -> list[dict]:
     """A math warpgroup's k-blocks in order: when it began waiting for the stage (its previous
-    promotion or epilogue end; None for its first), when the stage landed, its wgmma completed,
-    and whether it is a tile's first (the wait began at an epilogue's end)."""
-    out, wait_from, landed, first = [], None, None, False
+    promotion, or the end of the tile start after an epilogue; None for its first), when the
+    stage landed, its wgmma completed, whether it is a tile's first (the wait began after an
+    epilogue) and, for a tile's first, the cycles from the epilogue's end to that wait (the tile
+    start: 0 where the kernel does not stamp it)."""
+    out, wait_from, landed, first, start = [], None, None, False, 0
     for tag, t in events:
         if tag == LANDED:
             landed = t
         elif tag == DONE and landed is not None:
-            out.append({"wait_from": wait_from, "landed": landed, "done": t, "first": first})
+            out.append({"wait_from": wait_from, "landed": landed, "done": t, "first": first,
+                        "start": start})
             landed = None
         elif tag in (PROMOTED, EPILOGUE_END):
-            wait_from, first = t, tag == EPILOGUE_END
+            wait_from, first, start = t, tag == EPILOGUE_END, 0
+        elif tag == TILE_READY and wait_from is not None:
+            start, wait_from = t - wait_from, t
     return out
 
 
@@ -194,9 +205,11 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
       loads (sent before the wait began) to its landing; refill: median cycles from the later
       warpgroup's wgmma completion on a stage to the producer finding it free again, k-block
       j + num_stages (its release; in a cluster also the peer CTA's); issue: median cycles from
-      the producer finding a stage free to its loads issued; first_wait, wait: median cycles a
-      tile's first k-block and the others waited for their stage (every wait); first_flight: the
-      median flight of the waited first k-blocks.
+      the producer finding a stage free to its loads issued; first_start: median cycles from an
+      epilogue's end to the next tile's first wait (its B scales to shared memory, the walk to
+      the tile after it); first_wait, wait: median cycles a tile's first k-block and the others
+      waited for their stage (every wait); first_flight: the median flight of the waited first
+      k-blocks.
     A warpgroup that idles on some k-blocks (a 128-row tile's half without rows of the group)
     stamps fewer of them: only the warpgroups that stamped the most are followed."""
     sent = [t for tag, t in producer if tag == SENT]
@@ -208,12 +221,15 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
     late = in_flight = 0
     flights, first_flights, refills = [], [], []
     waits = {True: [], False: []}
+    starts = []
     for j in range(n):
         for k in wgs:
             kb = k[j]
             if kb["wait_from"] is None:
                 continue
             waits[kb["first"]].append(kb["landed"] - kb["wait_from"])
+            if kb["first"]:
+                starts.append(kb["start"])
             if kb["landed"] - kb["wait_from"] < min_wait:
                 continue
             late += max(0, min(sent[j], kb["landed"]) - kb["wait_from"])
@@ -228,7 +244,8 @@ def stage_chain(producer: list[tuple[int, int]], maths: list[list[tuple[int, int
 
     return {"late": late / max(1, late + in_flight), "flight": median(flights),
             "issue": median([s - f for s, f in zip(sent, free)]), "refill": median(refills),
-            "first_wait": median(waits[True]), "wait": median(waits[False]),
+            "first_start": median(starts), "first_wait": median(waits[True]),
+            "wait": median(waits[False]),
             "first_flight": median(first_flights), "kblocks": n}
 
 
@@ -437,13 +454,14 @@ def main() -> int:
         epilogues.append((cta, s["per_wg"]))
     print("stage waits: share before the loads were sent; median cycles in flight (sent before "
           "the wait), from a free stage to its loads sent, and from the last wgmma on a stage "
-          "to its refill; median wait of a tile's first k-block and of the others, and the "
-          "first k-block's flight")
+          "to its refill; median cycles from an epilogue's end to the next tile's first wait; "
+          "median wait of a tile's first k-block and of the others, and the first k-block's "
+          "flight")
     for cta, c in chains:
         print(f"{cta:>3} {c['kblocks']:>6} k-blocks  late {c['late']:>6.1%}"
               + "".join(f"  {key} {'-' if c[key] is None else c[key]:>6}"
-                        for key in ("flight", "issue", "refill", "first_wait", "wait",
-                                    "first_flight")))
+                        for key in ("flight", "issue", "refill", "first_start", "first_wait",
+                                    "wait", "first_flight")))
     print("epilogue, mean cycles per warpgroup: whole (first barrier / shared-memory writes / "
           "second barrier / stores issued)")
     for cta, per_wg in epilogues:

@@ -65,12 +65,13 @@ def test_producer_wait_and_decode():
 
 
 def _ring(n, num_stages, flight, refill, mma=300, promote=200, lag=0, tile=0, epilogue=0,
-          first_flight=None):
+          first_flight=None, tile_start=0):
     """Stamps of a producer and two warpgroups running n k-blocks through a ring: a k-block's
     loads land `flight` cycles after they are sent, a stage is found free `refill` cycles after
     the later warpgroup's wgmma on it completed; warpgroup 1 starts `lag` cycles late. With
     `tile`, every tile of that many k-blocks ends in an epilogue of `epilogue` cycles, and a
-    tile's first k-block is in flight `first_flight` cycles."""
+    tile's first k-block is in flight `first_flight` cycles; with `tile_start`, the next tile
+    starts (its barrier, its walk) that many cycles after the epilogue."""
     prod, wgs = [], [[], []]
     free, sent, done = [], [], [[], []]
     promoted = [None, None]
@@ -89,6 +90,10 @@ def _ring(n, num_stages, flight, refill, mma=300, promote=200, lag=0, tile=0, ep
             if tile and (j + 1) % tile == 0:
                 wgs[w] += [(tl.EPILOGUE, promoted[w]), (tl.EPILOGUE_END, promoted[w] + epilogue)]
                 promoted[w] += epilogue
+                if tile_start:
+                    wgs[w] += [(tl.TILE_SYNCED, promoted[w] + tile_start // 2),
+                               (tl.TILE_READY, promoted[w] + tile_start)]
+                    promoted[w] += tile_start
     return prod, wgs
 
 
@@ -127,6 +132,20 @@ def test_stage_chain_tells_a_tiles_first_k_block_from_the_others():
     idle = wgs[1][:per_tile] + wgs[1][2 * per_tile:]
     c2 = tl.stage_chain(prod, [wgs[0], idle], num_stages=4)
     assert c2["kblocks"] == 64 and c2["refill"] == 40 and c2["first_flight"] == 4000
+    assert c["first_start"] == 0  # (no tile-start stamps)
+
+
+def test_a_tiles_start_is_told_from_its_first_wait():
+    # 600 cycles from the epilogue's end to the next tile's first wait (its barrier and walk):
+    # the first k-block then waits what is left of its 4000-cycle flight, 600 cycles less
+    args = dict(num_stages=4, flight=900, refill=40, tile=16, epilogue=1000, first_flight=4000)
+    c0 = tl.stage_chain(*_ring(64, **args), num_stages=4)
+    prod, wgs = _ring(64, **args, tile_start=600)
+    c = tl.stage_chain(prod, wgs, num_stages=4)
+    assert c["first_start"] == 600 and c["first_wait"] == c0["first_wait"] - 600
+    assert c["first_flight"] == 4000 and c["wait"] == 0
+    s = tl.summarise({0: wgs[0], 1: wgs[1], 2: prod}, num_stages=4)
+    assert s["idle_by"]["tile start"] == pytest.approx(3 * 600 / s["window"], rel=0.01)
 
 
 def test_traced_build_compiles_clean_and_the_default_has_no_trace(tmp_path, monkeypatch):

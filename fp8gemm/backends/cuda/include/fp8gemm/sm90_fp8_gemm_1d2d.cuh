@@ -56,6 +56,8 @@ enum TraceTag : uint32_t {
   kTraceEpilogueSynced = 9,   // math: past the epilogue's first barrier (the previous store read)
   kTraceEpilogueWritten = 10,  // math: its sums written to shared memory and fenced
   kTraceEpilogueStoring = 11,  // math: past its second barrier, before the stores' issue
+  kTraceTileSynced = 12,  // math: a tile's B scales in shared memory (past the tile's barrier)
+  kTraceTileReady = 13,   // math: the next tile found and its B scales' loads issued
 };
 
 #ifdef FP8GEMM_TRACE
@@ -743,8 +745,10 @@ sm90_fp8_gemm_1d2d_kernel(const float* __restrict__ sb, uint32_t shape_m,
         if (i < 2 * kNumKBlocks) smem_sb[i] = sb_prefetch[j];
       }
       named_barrier_sync(1, kNumMathThreads);
+      FP8GEMM_STAMP(kTraceTileSynced);
       const bool has_next = scheduler.next(next_tile);
       if (has_next) prefetch_sb(next_tile);
+      FP8GEMM_STAMP(kTraceTileReady);
       // 8-column groups [0, num_first) use the first block's scale, the rest the second's.
       const uint32_t num_first = (128 - n0 % 128) / 8;
 
