@@ -39,12 +39,18 @@ def gpu_tag(name: str) -> str:
     return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "", name.lower()) or "gpu"
 
 
+def short_commit(commit) -> str:
+    """A commit as a file name carries it: a git hash's first 7 digits (any suffix kept, e.g.
+    '-dirty'), anything else as it is."""
+    return re.sub(r"^([0-9a-f]{7})[0-9a-f]+", r"\1", str(commit))
+
+
 def add_run(run: Path, results: Path) -> list[Path]:
     """Write `run`'s rows of each suite as its GPU's result file for that suite (with the plot),
     delete the GPU's older files of the same suites; returns the files written."""
     doc = load_json(run)
     meta = doc["meta"]
-    tag, date, commit = gpu_tag(str(meta["gpu"])), str(meta["date"])[:10], str(meta["commit"])
+    tag, date, commit = gpu_tag(str(meta["gpu"])), str(meta["date"])[:10], short_commit(meta["commit"])
     by_file: dict[str, list[dict]] = {}
     for r in doc["rows"]:
         by_file.setdefault(FILE_OF_SUITE.get(r["suite"], r["suite"]), []).append(r)

@@ -282,7 +282,8 @@ def test_make_benchmarks_md_adds_a_run_per_suite(tmp_path):
     GPU's older file and plot of each suite, no other GPU's and no other suite's."""
     res = tmp_path / "results"
     res.mkdir()
-    meta = dict(META, gpu="NVIDIA H200", commit="abc1234", date="2026-12-06T01:02:03Z")
+    # (a whole hash, as `git rev-parse HEAD` gives it, names the file by its first 7 digits)
+    meta = dict(META, gpu="NVIDIA H200", commit="abc1234" + "5" * 33, date="2026-12-06T01:02:03Z")
     old = [res / "2026-12-01-h200-0000000-grouped.json",
            res / "2026-12-01-h200-0000000-backward.json"]
     kept = [res / "2026-12-01-h100-0000000-grouped.json",
