@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Where a kernel waits for its global loads: each load in the SASS and the first instruction
+after it (in code order) that waits on the load's scoreboard. Runs on the CPU.
+
+    python scripts/sass_waits.py KERNEL.cubin|KERNEL.sass [...] [--within 16] [--all]
+    python scripts/sass_waits.py --1d2d contiguous 7168x2048 128x192 [--headers DIR]
+
+A load consumed a few instructions later stalls its warp for the whole round trip (L2 under a
+GEMM's traffic: several hundred cycles); a load whose value is first read a tile later costs
+nothing. `--within N` lists the loads waited on within N instructions (default 16), `--all`
+every load. `--1d2d KIND NxK BMxBN` compiles that config of the 1D2D family first (the most
+stages that fit an H100/H200, no multicast; `--headers` another copy of the kernel headers, as
+scripts/cuda_tiles.py takes them). A cubin of any kernel: FP8GEMM_DUMP_SASS=1 writes the SASS
+of each kernel compiled beside its cubin in the cache (FP8GEMM_CACHE_DIR).
+
+The control bits come from each instruction's second 64-bit word, as cuobjdump prints it: from
+bit 41, the stall count (4 bits), the yield flag (1), the scoreboard the instruction sets when
+its result is written (3; 7 = none), the one it sets when its operands are read (3), and the
+mask of scoreboards it waits on (6). Code order is not execution order: a wait in a branch not
+taken, or a loop's back edge, is not followed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* 0x([0-9a-f]{16}) \*/\s*$")
+_HI = re.compile(r"^\s+/\* 0x([0-9a-f]{16}) \*/\s*$")
+# Global loads whose result lands in a register (a scoreboard guards it until then).
+_GLOBAL_LOAD = re.compile(r"\b(LDG|ATOMG|ATOM)\b")
+NO_SCOREBOARD = 7
+
+
+@dataclass(frozen=True)
+class Instr:
+    addr: int
+    text: str
+    stall: int
+    write_sb: int  # set when the result is written (NO_SCOREBOARD: none)
+    read_sb: int   # set when the operands are read
+    wait_mask: int  # bit i: waits for scoreboard i
+
+    def waits_on(self, sb: int) -> bool:
+        return sb != NO_SCOREBOARD and bool(self.wait_mask >> sb & 1)
+
+
+def parse(sass: str) -> list[Instr]:
+    """The instructions of cuobjdump -sass text, with their control bits."""
+    out = []
+    lines = sass.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        m = _LINE.match(line)
+        hi = _HI.match(lines[i + 1]) if m else None
+        if not hi:
+            continue
+        ctrl = int(hi.group(1), 16) >> 41
+        out.append(Instr(int(m.group(1), 16), m.group(2).strip(), ctrl & 0xF, ctrl >> 5 & 7,
+                         ctrl >> 8 & 7, ctrl >> 11 & 0x3F))
+    return out
+
+
+def load_waits(instrs: list[Instr]) -> list[dict]:
+    """Each global load with a result scoreboard, and the first later instruction in code order
+    that waits on that scoreboard (distance in instructions; None: none before the end)."""
+    out = []
+    for i, ins in enumerate(instrs):
+        if not _GLOBAL_LOAD.search(ins.text) or ins.write_sb == NO_SCOREBOARD:
+            continue
+        j = next((j for j in range(i + 1, len(instrs)) if instrs[j].waits_on(ins.write_sb)), None)
+        out.append({"load": ins, "waiter": None if j is None else instrs[j],
+                    "distance": None if j is None else j - i})
+    return out
+
+
+def sass_of(path: Path) -> str:
+    """SASS text of a .sass file, or of a cubin through cuobjdump."""
+    if path.suffix != ".cubin":
+        return path.read_text()
+    from fp8gemm.jit import cuobjdump_path
+
+    tool = cuobjdump_path()
+    if tool is None:
+        raise SystemExit("no cuobjdump (CUDA toolkit or Triton's wheel)")
+    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def compile_1d2d(kind: str, nk: str, block: str, headers: Path | None) -> str:
+    """SASS of a config of the 1D2D family compiled here (no GPU)."""
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
+    from fp8gemm.jit import compile_cached
+    from fp8gemm.problem import GemmKind
+
+    n, k = map(int, nk.lower().split("x"))
+    bm, bn = map(int, block.lower().split("x"))
+    gk = GemmKind(kind)
+    smem = 232448  # (an H100's or H200's shared memory a block)
+    cfg = g.Sm90Config(bm, bn, g.max_stages(bm, bn, k, smem, gk), 1, False, g.BAND_SIZE, 132)
+    src, name = g.kernel_source(gk, n, k, cfg)
+    include = str(headers) if headers else str(g.INCLUDE_DIR)
+    cubin = compile_cached(src, name, (include,))[1].cubin
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        return sass_of(path)
+
+
+def report(name: str, sass: str, within: int | None) -> int:
+    """Print the loads of one kernel (those waited on within `within` instructions; None:
+    all); returns how many were printed."""
+    waits = load_waits(parse(sass))
+    shown = [w for w in waits if within is None or (w["distance"] is not None
+                                                    and w["distance"] <= within)]
+    print(f"== {name}: {len(waits)} global loads, {len(shown)} shown")
+    for w in shown:
+        ld, wt = w["load"], w["waiter"]
+        after = "never (in code order)" if wt is None else \
+            f"+{w['distance']:<4} {wt.addr:#07x}  {wt.text[:60]}"
+        print(f"  {ld.addr:#07x}  SB{ld.write_sb}  {ld.text[:52]:52}  waited {after}")
+    return len(shown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", type=Path, help=".cubin or .sass files")
+    ap.add_argument("--1d2d", dest="one_d2d", nargs=3, metavar=("KIND", "NxK", "BMxBN"),
+                    help="compile this 1D2D config first (KIND: dense, contiguous, offsets, masked)")
+    ap.add_argument("--headers", type=Path, help="with --1d2d: another copy of the headers")
+    ap.add_argument("--within", type=int, default=16)
+    ap.add_argument("--all", action="store_true", help="every load, however far its wait")
+    args = ap.parse_args(argv)
+    within = None if args.all else args.within
+    if not args.files and not args.one_d2d:
+        ap.error("give a .cubin / .sass file or --1d2d")
+    for path in args.files:
+        report(str(path), sass_of(path), within)
+    if args.one_d2d:
+        report(" ".join(args.one_d2d), compile_1d2d(*args.one_d2d, args.headers), within)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
