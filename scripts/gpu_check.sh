@@ -100,8 +100,19 @@ if [[ "${SKIP_TESTS:-0}" != "1" ]]; then
     case $rc in
         0) tests_summary="ok: $last" ;;
         5) tests_summary="no gpu tests collected" ;;
-        124|130) started="$(grep -oE '^tests/[^ ]+::[^ ]+' "$OUT/gpu_tests.log" | tail -n 1)"
-                 tests_summary="TIMED OUT after ${TEST_TIMEOUT}s (last started: $started): $last" ;;
+        124|130)
+            # (an interrupted run has pytest's '!!! KeyboardInterrupt !!!' banner; without it the
+            # run had ended, and only the process's exit outlasted the limit)
+            if [[ -n "$last" ]] && ! grep -qE '^!+ KeyboardInterrupt !+$' "$OUT/gpu_tests.log"; then
+                if [[ "$last" =~ (failed|error) ]]; then
+                    tests_summary="FAILED (the run complete, its exit stopped at the limit): $last"
+                else
+                    tests_summary="ok, the run complete, its exit stopped at the ${TEST_TIMEOUT}s limit: $last"
+                fi
+            else
+                started="$(grep -oE '^tests/[^ ]+::[^ ]+' "$OUT/gpu_tests.log" | tail -n 1)"
+                tests_summary="TIMED OUT after ${TEST_TIMEOUT}s (last started: $started): $last"
+            fi ;;
         *) tests_summary="FAILED (rc $rc): $last" ;;
     esac
 fi
