@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""What a kernel's mainloop issues a k-block: the innermost SASS loop that holds wgmma (QGMMA),
+its instructions counted by opcode and over the k-blocks it runs. Runs on the CPU.
+
+    python scripts/sass_kloop.py KERNEL.cubin|KERNEL.sass [...] [--waves 2]
+    python scripts/sass_kloop.py --1d2d contiguous 7168x2048 128x192 [--headers DIR]
+
+A k-block of one 64-row wave is BLOCK_K / 32 = 4 QGMMA; `--waves` gives the waves a k-block runs
+(2 for the 1D2D kernel's 256-row tiles) when the loop is one of those. The loop is the shortest
+one (a backward branch and its target, in code order) that holds at least one k-block's QGMMA;
+a loop the compiler unrolled over several k-blocks counts as that many. Compare kernels
+compiled for the same tile (ours against a peer's, one variant against another): the counts
+beside the QGMMA and the promotion's FFMA / FMUL are the ring's and the barrier's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import sass_waits as sw  # noqa: E402
+
+QGMMA_PER_WAVE = 4  # BLOCK_K 128 over wgmma's K of 32 (FP8)
+_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+
+
+def opcode(text: str) -> str:
+    """'@!P1 FFMA.FTZ R1, ...' -> 'FFMA' (the predicate and the modifiers dropped)."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
+
+
+def k_loop(instrs: list[sw.Instr], waves: int = 1) -> dict | None:
+    """The shortest loop holding one k-block's QGMMA or more: its address range, instructions,
+    k-blocks and opcode counts; None when there is none."""
+    per_kblock = QGMMA_PER_WAVE * waves
+    mma_addrs = [i.addr for i in instrs if opcode(i.text) == "QGMMA"]
+    best = None
+    for ins in instrs:
+        m = _BRANCH.search(ins.text)
+        if not m or int(m.group(1), 16) >= ins.addr:
+            continue
+        lo, hi = int(m.group(1), 16), ins.addr
+        n_mma = sum(lo <= a <= hi for a in mma_addrs)
+        if n_mma >= per_kblock and (best is None or hi - lo < best[1] - best[0]):
+            best = (lo, hi, n_mma)
+    if best is None:
+        return None
+    lo, hi, n_mma = best
+    body = [i for i in instrs if lo <= i.addr <= hi]
+    return {"start": lo, "end": hi, "instructions": len(body), "kblocks": n_mma / per_kblock,
+            "opcodes": Counter(opcode(i.text) for i in body)}
+
+
+def report(name: str, sass: str, waves: int) -> dict | None:
+    loop = k_loop(sw.parse(sass), waves)
+    if loop is None:
+        print(f"== {name}: no loop holds {QGMMA_PER_WAVE * waves} QGMMA")
+        return None
+    kb = loop["kblocks"]
+    ops = loop["opcodes"]
+    math = sum(ops[o] for o in ("QGMMA", "FFMA", "FMUL"))
+    print(f"== {name}: loop {loop['start']:#x}-{loop['end']:#x}, {loop['instructions']} "
+          f"instructions over {kb:g} k-blocks: {loop['instructions'] / kb:.1f} a k-block "
+          f"({(loop['instructions'] - math) / kb:.1f} beside QGMMA, FFMA and FMUL)")
+    print("   " + ", ".join(f"{o} {c / kb:g}" for o, c in ops.most_common()))
+    return loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", type=Path, help=".cubin or .sass files")
+    ap.add_argument("--1d2d", dest="one_d2d", nargs=3, metavar=("KIND", "NxK", "BMxBN"),
+                    help="compile this 1D2D config first (as scripts/sass_waits.py does)")
+    ap.add_argument("--headers", type=Path, help="with --1d2d: another copy of the headers")
+    ap.add_argument("--waves", type=int, default=None,
+                    help="64-row waves a k-block runs (default 1; --1d2d: BLOCK_M / 128, at least 1)")
+    args = ap.parse_args(argv)
+    if not args.files and not args.one_d2d:
+        ap.error("give a .cubin / .sass file or --1d2d")
+    for path in args.files:
+        report(str(path), sw.sass_of(path), args.waves or 1)
+    if args.one_d2d:
+        block_m = int(args.one_d2d[2].lower().split("x")[0])
+        waves = args.waves or max(1, block_m // 128)
+        report(" ".join(args.one_d2d), sw.compile_1d2d(*args.one_d2d, args.headers), waves)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
