@@ -15,7 +15,6 @@ beside the QGMMA and the promotion's FFMA / FMUL are the ring's and the barrier'
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections import Counter
@@ -73,23 +72,12 @@ def report(name: str, sass: str, waves: int) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="*", type=Path, help=".cubin or .sass files")
-    ap.add_argument("--1d2d", dest="one_d2d", nargs=3, metavar=("KIND", "NxK", "BMxBN"),
-                    help="compile this 1D2D config first (as scripts/sass_waits.py does)")
-    ap.add_argument("--headers", type=Path, help="with --1d2d: another copy of the headers")
+    ap = sw.kernel_parser(__doc__)
     ap.add_argument("--waves", type=int, default=None,
                     help="64-row waves a k-block runs (default 1; --1d2d: BLOCK_M / 128, at least 1)")
     args = ap.parse_args(argv)
-    if not args.files and not args.one_d2d:
-        ap.error("give a .cubin / .sass file or --1d2d")
-    for path in args.files:
-        report(str(path), sw.sass_of(path), args.waves or 1)
-    if args.one_d2d:
-        block_m = int(args.one_d2d[2].lower().split("x")[0])
-        waves = args.waves or max(1, block_m // 128)
-        report(" ".join(args.one_d2d), sw.compile_1d2d(*args.one_d2d, args.headers), waves)
+    for name, sass, block_m in sw.kernels(ap, args):
+        report(name, sass, args.waves or (max(1, block_m // 128) if block_m else 1))
     return 0
 
 

@@ -129,23 +129,35 @@ def report(name: str, sass: str, within: int | None) -> int:
     return len(shown)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+def kernel_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments that name the kernels to read: files, or a 1D2D config to compile."""
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", type=Path, help=".cubin or .sass files")
     ap.add_argument("--1d2d", dest="one_d2d", nargs=3, metavar=("KIND", "NxK", "BMxBN"),
                     help="compile this 1D2D config first (KIND: dense, contiguous, offsets, masked)")
     ap.add_argument("--headers", type=Path, help="with --1d2d: another copy of the headers")
+    return ap
+
+
+def kernels(ap: argparse.ArgumentParser, args) -> list[tuple[str, str, int | None]]:
+    """(name, SASS, BLOCK_M of a --1d2d config, else None) of each kernel kernel_parser named."""
+    if not args.files and not args.one_d2d:
+        ap.error("give a .cubin / .sass file or --1d2d")
+    out = [(str(path), sass_of(path), None) for path in args.files]
+    if args.one_d2d:
+        block_m = int(args.one_d2d[2].lower().split("x")[0])
+        out.append((" ".join(args.one_d2d), compile_1d2d(*args.one_d2d, args.headers), block_m))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = kernel_parser(__doc__)
     ap.add_argument("--within", type=int, default=16)
     ap.add_argument("--all", action="store_true", help="every load, however far its wait")
     args = ap.parse_args(argv)
-    within = None if args.all else args.within
-    if not args.files and not args.one_d2d:
-        ap.error("give a .cubin / .sass file or --1d2d")
-    for path in args.files:
-        report(str(path), sass_of(path), within)
-    if args.one_d2d:
-        report(" ".join(args.one_d2d), compile_1d2d(*args.one_d2d, args.headers), within)
+    for name, sass, _ in kernels(ap, args):
+        report(name, sass, None if args.all else args.within)
     return 0
 
 
