@@ -7,8 +7,10 @@ its instructions counted by opcode and over the k-blocks it runs. Runs on the CP
 
 A k-block of one 64-row wave is BLOCK_K / 32 = 4 QGMMA; `--waves` gives the waves a k-block runs
 (2 for the 1D2D kernel's 256-row tiles) when the loop is one of those. The loop is the shortest
-one (a backward branch and its target, in code order) that holds at least one k-block's QGMMA;
-a loop the compiler unrolled over several k-blocks counts as that many. Compare kernels
+one (a backward branch and its target, in code order) that holds at least one k-block's QGMMA
+(`--kblocks N`: N k-blocks', to pick a loop unrolled over the stages of a turn of the ring
+beside loops of one k-block); a loop the compiler unrolled over several k-blocks counts as
+that many. Compare kernels
 compiled for the same tile (ours against a peer's, one variant against another): the counts
 beside the QGMMA and the promotion's FFMA / FMUL are the ring's and the barrier's bookkeeping.
 """
@@ -34,9 +36,9 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
 
 
-def k_loop(instrs: list[sw.Instr], waves: int = 1) -> dict | None:
-    """The shortest loop holding one k-block's QGMMA or more: its address range, instructions,
-    k-blocks and opcode counts; None when there is none."""
+def k_loop(instrs: list[sw.Instr], waves: int = 1, min_kblocks: int = 1) -> dict | None:
+    """The shortest loop holding min_kblocks k-blocks' QGMMA or more: its address range,
+    instructions, k-blocks and opcode counts; None when there is none."""
     per_kblock = QGMMA_PER_WAVE * waves
     mma_addrs = [i.addr for i in instrs if opcode(i.text) == "QGMMA"]
     best = None
@@ -46,7 +48,7 @@ def k_loop(instrs: list[sw.Instr], waves: int = 1) -> dict | None:
             continue
         lo, hi = int(m.group(1), 16), ins.addr
         n_mma = sum(lo <= a <= hi for a in mma_addrs)
-        if n_mma >= per_kblock and (best is None or hi - lo < best[1] - best[0]):
+        if n_mma >= per_kblock * min_kblocks and (best is None or hi - lo < best[1] - best[0]):
             best = (lo, hi, n_mma)
     if best is None:
         return None
@@ -56,10 +58,10 @@ def k_loop(instrs: list[sw.Instr], waves: int = 1) -> dict | None:
             "opcodes": Counter(opcode(i.text) for i in body)}
 
 
-def report(name: str, sass: str, waves: int) -> dict | None:
-    loop = k_loop(sw.parse(sass), waves)
+def report(name: str, sass: str, waves: int, min_kblocks: int = 1) -> dict | None:
+    loop = k_loop(sw.parse(sass), waves, min_kblocks)
     if loop is None:
-        print(f"== {name}: no loop holds {QGMMA_PER_WAVE * waves} QGMMA")
+        print(f"== {name}: no loop holds {QGMMA_PER_WAVE * waves * min_kblocks} QGMMA")
         return None
     kb = loop["kblocks"]
     ops = loop["opcodes"]
@@ -75,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = sw.kernel_parser(__doc__)
     ap.add_argument("--waves", type=int, default=None,
                     help="64-row waves a k-block runs (default 1; --1d2d: BLOCK_M / 128, at least 1)")
+    ap.add_argument("--kblocks", type=int, default=1,
+                    help="the shortest loop of at least this many k-blocks (an unrolled turn of "
+                         "the ring beside shorter loops of one k-block)")
     args = ap.parse_args(argv)
     for name, sass, block_m in sw.kernels(ap, args):
-        report(name, sass, args.waves or (max(1, block_m // 128) if block_m else 1))
+        report(name, sass, args.waves or (max(1, block_m // 128) if block_m else 1), args.kblocks)
     return 0
 
 

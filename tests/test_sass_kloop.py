@@ -39,3 +39,25 @@ def test_no_loop_without_wgmma():
     from test_sass_waits import SNIPPET
 
     assert sk.k_loop(sw.parse(SNIPPET)) is None
+
+
+def _listing(texts: list[str]) -> str:
+    """A SASS listing of these instructions from address 0, 16 bytes each."""
+    return "".join(f"        /*{16 * i:04x}*/                   {t} ;  /* 0x0000000000000000 */\n"
+                   "                                                /* 0x000fe20000000800 */\n"
+                   for i, t in enumerate(texts))
+
+
+def test_kblocks_picks_the_loop_of_a_whole_turn():
+    # a turn of three k-blocks unrolled (0x0-0xf0), then a loop of one k-block (0x100-0x150)
+    qg = "QGMMA.64x192x32.F32.E4M3.E4M3 R24, gdesc[UR20], R24, UPT"
+    turn = ([qg] * 4 + ["FFMA R1, R2, R3, R1"]) * 3 + ["BRA 0x0"]
+    single = [qg] * 4 + ["FMUL R4, R5, R6", "BRA 0x100"]
+    ins = sw.parse(_listing(turn + single))
+    assert [i.addr for i in ins][-1] == 0x150 and ins[15].text == "BRA 0x0"
+    one = sk.k_loop(ins)
+    assert (one["start"], one["end"], one["kblocks"], one["instructions"]) == (0x100, 0x150, 1, 6)
+    three = sk.k_loop(ins, min_kblocks=2)
+    assert (three["start"], three["end"], three["kblocks"]) == (0x0, 0xf0, 3)
+    assert three["opcodes"]["FFMA"] == 3 and three["instructions"] == 16
+    assert sk.k_loop(ins, min_kblocks=4) is None
