@@ -4,9 +4,10 @@ its instructions counted by opcode and over the k-blocks it runs. Runs on the CP
 
     python scripts/sass_kloop.py KERNEL.cubin|KERNEL.sass [...] [--waves 2]
     python scripts/sass_kloop.py --1d2d contiguous 7168x2048 128x192 [--headers DIR]
+    python scripts/sass_kloop.py --1d1d wgrad 2048 128x152 [--headers DIR]
 
 A k-block of one 64-row wave is BLOCK_K / 32 = 4 QGMMA; `--waves` gives the waves a k-block runs
-(2 for the 1D2D kernel's 256-row tiles) when the loop is one of those. The loop is the shortest
+(2 for the 256-row tiles of the 1D2D and 1D1D kernels) when the loop is one of those. The loop is the shortest
 one (a backward branch and its target, in code order) that holds at least one k-block's QGMMA
 (`--kblocks N`: N k-blocks', to pick a loop unrolled over the stages of a turn of the ring
 beside loops of one k-block); a loop the compiler unrolled over several k-blocks counts as
@@ -76,7 +77,8 @@ def report(name: str, sass: str, waves: int, min_kblocks: int = 1) -> dict | Non
 def main(argv: list[str] | None = None) -> int:
     ap = sw.kernel_parser(__doc__)
     ap.add_argument("--waves", type=int, default=None,
-                    help="64-row waves a k-block runs (default 1; --1d2d: BLOCK_M / 128, at least 1)")
+                    help="64-row waves a k-block runs (default 1; --1d2d, --1d1d: BLOCK_M / 128, "
+                         "at least 1)")
     ap.add_argument("--kblocks", type=int, default=1,
                     help="the shortest loop of at least this many k-blocks (an unrolled turn of "
                          "the ring beside shorter loops of one k-block)")

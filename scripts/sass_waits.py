@@ -4,14 +4,17 @@ after it (in code order) that waits on the load's scoreboard. Runs on the CPU.
 
     python scripts/sass_waits.py KERNEL.cubin|KERNEL.sass [...] [--within 16] [--all]
     python scripts/sass_waits.py --1d2d contiguous 7168x2048 128x192 [--headers DIR]
+    python scripts/sass_waits.py --1d1d wgrad 2048 128x152 [--headers DIR]
 
 A load consumed a few instructions later stalls its warp for the whole round trip (L2 under a
 GEMM's traffic: several hundred cycles); a load whose value is first read a tile later costs
 nothing. `--within N` lists the loads waited on within N instructions (default 16), `--all`
 every load. `--1d2d KIND NxK BMxBN` compiles that config of the 1D2D family first (the most
 stages that fit an H100/H200, no multicast; `--headers` another copy of the kernel headers, as
-scripts/cuda_tiles.py takes them). A cubin of any kernel: FP8GEMM_DUMP_SASS=1 writes the SASS
-of each kernel compiled beside its cubin in the cache (FP8GEMM_CACHE_DIR).
+scripts/cuda_tiles.py takes them); `--1d1d KIND N BMxBN` a config of the 1D1D family (KIND
+wgrad) or the k-grouped one (k_grouped), N columns, the most stages that fit. A cubin of any
+kernel: FP8GEMM_DUMP_SASS=1 writes the SASS of each kernel compiled beside its cubin in the
+cache (FP8GEMM_CACHE_DIR).
 
 The control bits come from each instruction's second 64-bit word, as cuobjdump prints it: from
 bit 41, the stall count (4 bits), the yield flag (1), the scoreboard the instruction sets when
@@ -38,6 +41,7 @@ _HI = re.compile(r"^\s+/\* 0x([0-9a-f]{16}) \*/\s*$")
 # Global loads whose result lands in a register (a scoreboard guards it until then).
 _GLOBAL_LOAD = re.compile(r"\b(LDG|ATOMG|ATOM)\b")
 NO_SCOREBOARD = 7
+SMEM_PER_BLOCK = 232448  # an H100's or H200's shared memory a block: the stages that fit
 
 
 @dataclass(frozen=True)
@@ -103,11 +107,30 @@ def compile_1d2d(kind: str, nk: str, block: str, headers: Path | None) -> str:
     n, k = map(int, nk.lower().split("x"))
     bm, bn = map(int, block.lower().split("x"))
     gk = GemmKind(kind)
-    smem = 232448  # (an H100's or H200's shared memory a block)
-    cfg = g.Sm90Config(bm, bn, g.max_stages(bm, bn, k, smem, gk), 1, False, g.BAND_SIZE, 132)
+    stages = g.max_stages(bm, bn, k, SMEM_PER_BLOCK, gk)
+    cfg = g.Sm90Config(bm, bn, stages, 1, False, g.BAND_SIZE, 132)
     src, name = g.kernel_source(gk, n, k, cfg)
     include = str(headers) if headers else str(g.INCLUDE_DIR)
-    cubin = compile_cached(src, name, (include,))[1].cubin
+    return _sass_of_cubin(compile_cached(src, name, (include,))[1].cubin)
+
+
+def compile_1d1d(kind: str, n: str, block: str, headers: Path | None) -> str:
+    """SASS of a config of the 1D1D family (kind wgrad) or the k-grouped one (k_grouped), N
+    columns, compiled here (no GPU)."""
+    from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d as d1
+    from fp8gemm.jit import compile_cached
+
+    if kind not in ("wgrad", "k_grouped"):
+        raise ValueError(f"--1d1d KIND must be wgrad or k_grouped, got {kind!r}")
+    bm, bn = map(int, block.lower().split("x"))
+    stages = d1.max_stages(bm, bn, SMEM_PER_BLOCK)
+    cfg = d1.Sm90Config1d1d(bm, bn, stages, 16, 132)
+    src, name = d1.kernel_source(int(n), cfg, kind == "k_grouped")
+    include = str(headers) if headers else str(d1.INCLUDE_DIR)
+    return _sass_of_cubin(compile_cached(src, name, (include,))[1].cubin)
+
+
+def _sass_of_cubin(cubin: bytes) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
@@ -130,24 +153,32 @@ def report(name: str, sass: str, within: int | None) -> int:
 
 
 def kernel_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments that name the kernels to read: files, or a 1D2D config to compile."""
+    """The arguments that name the kernels to read: files, or a 1D2D or 1D1D config to compile."""
     ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", type=Path, help=".cubin or .sass files")
     ap.add_argument("--1d2d", dest="one_d2d", nargs=3, metavar=("KIND", "NxK", "BMxBN"),
                     help="compile this 1D2D config first (KIND: dense, contiguous, offsets, masked)")
-    ap.add_argument("--headers", type=Path, help="with --1d2d: another copy of the headers")
+    ap.add_argument("--1d1d", dest="one_d1d", nargs=3, metavar=("KIND", "N", "BMxBN"),
+                    help="compile this 1D1D config first (KIND: wgrad, k_grouped; the most stages "
+                         "that fit)")
+    ap.add_argument("--headers", type=Path, help="with --1d2d / --1d1d: another copy of the headers")
     return ap
 
 
 def kernels(ap: argparse.ArgumentParser, args) -> list[tuple[str, str, int | None]]:
-    """(name, SASS, BLOCK_M of a --1d2d config, else None) of each kernel kernel_parser named."""
-    if not args.files and not args.one_d2d:
-        ap.error("give a .cubin / .sass file or --1d2d")
+    """(name, SASS, BLOCK_M of a --1d2d / --1d1d config, else None) of each kernel
+    kernel_parser named."""
+    if not args.files and not args.one_d2d and not args.one_d1d:
+        ap.error("give a .cubin / .sass file, --1d2d or --1d1d")
     out = [(str(path), sass_of(path), None) for path in args.files]
-    if args.one_d2d:
-        block_m = int(args.one_d2d[2].lower().split("x")[0])
-        out.append((" ".join(args.one_d2d), compile_1d2d(*args.one_d2d, args.headers), block_m))
+    for spec, compile_ in ((args.one_d2d, compile_1d2d), (args.one_d1d, compile_1d1d)):
+        if spec:
+            block_m = int(spec[2].lower().split("x")[0])
+            try:
+                out.append((" ".join(spec), compile_(*spec, args.headers), block_m))
+            except ValueError as e:
+                ap.error(str(e))
     return out
 
 

@@ -1,7 +1,9 @@
-"""scripts/sass_kloop.py on the CPU: the mainloop it finds in a compiled 1D2D kernel, counted a
-k-block."""
+"""scripts/sass_kloop.py on the CPU: the mainloop it finds in a compiled 1D2D or 1D1D kernel,
+counted a k-block."""
 
 from __future__ import annotations
+
+import pytest
 
 from helpers import compiler_or_skip, load_script
 
@@ -61,3 +63,19 @@ def test_kblocks_picks_the_loop_of_a_whole_turn():
     assert (three["start"], three["end"], three["kblocks"]) == (0x0, 0xf0, 3)
     assert three["opcodes"]["FFMA"] == 3 and three["instructions"] == 16
     assert sk.k_loop(ins, min_kblocks=4) is None
+
+
+def test_the_1d1d_k_loop_promotes_with_two_instructions_an_element():
+    # both scales vary per element (1x128 groups on A's rows and B's columns): the promotion is
+    # an FMUL (sa * sb) and an FFMA an accumulator element, BLOCK_N / 2 of each a thread
+    compiler_or_skip()
+    loop = sk.k_loop(sw.parse(sw.compile_1d1d("wgrad", "2048", "128x152", None)))
+    per = {op: n / loop["kblocks"] for op, n in loop["opcodes"].items()}
+    assert per["QGMMA"] == 4 and per["FMUL"] == 76 and per["FFMA"] == 76
+    grouped = sk.k_loop(sw.parse(sw.compile_1d1d("k_grouped", "7168", "128x160", None)))
+    assert grouped["opcodes"]["FFMA"] / grouped["kblocks"] == 80
+
+
+def test_1d1d_kind_is_checked():
+    with pytest.raises(ValueError, match="wgrad or k_grouped"):
+        sw.compile_1d1d("dense", "2048", "128x152", None)
