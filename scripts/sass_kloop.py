@@ -7,13 +7,13 @@ its instructions counted by opcode and over the k-blocks it runs. Runs on the CP
     python scripts/sass_kloop.py --1d1d wgrad 2048 128x152 [--headers DIR]
 
 A k-block of one 64-row wave is BLOCK_K / 32 = 4 QGMMA; `--waves` gives the waves a k-block runs
-(2 for the 256-row tiles of the 1D2D and 1D1D kernels) when the loop is one of those. The loop is the shortest
-one (a backward branch and its target, in code order) that holds at least one k-block's QGMMA
-(`--kblocks N`: N k-blocks', to pick a loop unrolled over the stages of a turn of the ring
-beside loops of one k-block); a loop the compiler unrolled over several k-blocks counts as
-that many. Compare kernels
-compiled for the same tile (ours against a peer's, one variant against another): the counts
-beside the QGMMA and the promotion's FFMA / FMUL are the ring's and the barrier's bookkeeping.
+(2 for the 256-row tiles of the 1D2D and 1D1D kernels) when the loop is one of those. The loop
+is the shortest one (a backward branch and its target, in code order) that holds at least one
+k-block's QGMMA (`--kblocks N`: N k-blocks', to pick a loop unrolled over the stages of a turn
+of the ring beside loops of one k-block); a loop the compiler unrolled over several k-blocks
+counts as that many. Compare kernels compiled for the same tile (ours against a peer's, one
+variant against another): the counts beside the QGMMA and the promotion's FFMA / FMUL are the
+ring's and the barrier's bookkeeping.
 """
 
 from __future__ import annotations

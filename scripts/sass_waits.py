@@ -153,16 +153,19 @@ def report(name: str, sass: str, within: int | None) -> int:
 
 
 def kernel_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments that name the kernels to read: files, or a 1D2D or 1D1D config to compile."""
+    """The arguments that name the kernels to read: files, or a 1D2D or 1D1D config to
+    compile."""
     ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", type=Path, help=".cubin or .sass files")
     ap.add_argument("--1d2d", dest="one_d2d", nargs=3, metavar=("KIND", "NxK", "BMxBN"),
-                    help="compile this 1D2D config first (KIND: dense, contiguous, offsets, masked)")
+                    help="compile this 1D2D config first (KIND: dense, contiguous, offsets, "
+                         "masked)")
     ap.add_argument("--1d1d", dest="one_d1d", nargs=3, metavar=("KIND", "N", "BMxBN"),
                     help="compile this 1D1D config first (KIND: wgrad, k_grouped; the most stages "
                          "that fit)")
-    ap.add_argument("--headers", type=Path, help="with --1d2d / --1d1d: another copy of the headers")
+    ap.add_argument("--headers", type=Path,
+                    help="with --1d2d / --1d1d: another copy of the headers")
     return ap
 
 
