@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,21 +85,22 @@ def load_waits(instrs: list[Instr]) -> list[dict]:
 
 def sass_of(path: Path) -> str:
     """SASS text of a .sass file, or of a cubin through cuobjdump."""
-    if path.suffix != ".cubin":
-        return path.read_text()
-    from fp8gemm.jit import cuobjdump_path
+    return path.read_text() if path.suffix != ".cubin" else _sass_of_cubin(path.read_bytes())
 
-    tool = cuobjdump_path()
-    if tool is None:
+
+def _sass_of_cubin(cubin: bytes) -> str:
+    from fp8gemm.jit import disassemble
+
+    out = disassemble(cubin)
+    if out is None:
         raise SystemExit("no cuobjdump (CUDA toolkit or Triton's wheel)")
-    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True,
-                          check=True).stdout
+    out.check_returncode()
+    return out.stdout
 
 
 def compile_1d2d(kind: str, nk: str, block: str, headers: Path | None) -> str:
     """SASS of a config of the 1D2D family compiled here (no GPU)."""
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d2d as g
-    from fp8gemm.jit import compile_cached
     from fp8gemm.problem import GemmKind
 
     n, k = map(int, nk.lower().split("x"))
@@ -109,32 +108,22 @@ def compile_1d2d(kind: str, nk: str, block: str, headers: Path | None) -> str:
     gk = GemmKind(kind)
     stages = g.max_stages(bm, bn, k, SMEM_PER_BLOCK, gk)
     cfg = g.Sm90Config(bm, bn, stages, 1, False, g.BAND_SIZE, 132)
-    src, name = g.kernel_source(gk, n, k, cfg)
-    include = str(headers) if headers else str(g.INCLUDE_DIR)
-    return _sass_of_cubin(compile_cached(src, name, (include,))[1].cubin)
+    compiled = g.compile_kernel(gk, n, k, cfg, include_dir=headers)[1]
+    return _sass_of_cubin(compiled.cubin)
 
 
 def compile_1d1d(kind: str, n: str, block: str, headers: Path | None) -> str:
     """SASS of a config of the 1D1D family (kind wgrad) or the k-grouped one (k_grouped), N
     columns, compiled here (no GPU)."""
     from fp8gemm.backends.cuda import sm90_fp8_gemm_1d1d as d1
-    from fp8gemm.jit import compile_cached
 
     if kind not in ("wgrad", "k_grouped"):
         raise ValueError(f"--1d1d KIND must be wgrad or k_grouped, got {kind!r}")
     bm, bn = map(int, block.lower().split("x"))
-    stages = d1.max_stages(bm, bn, SMEM_PER_BLOCK)
-    cfg = d1.Sm90Config1d1d(bm, bn, stages, 16, 132)
-    src, name = d1.kernel_source(int(n), cfg, kind == "k_grouped")
-    include = str(headers) if headers else str(d1.INCLUDE_DIR)
-    return _sass_of_cubin(compile_cached(src, name, (include,))[1].cubin)
-
-
-def _sass_of_cubin(cubin: bytes) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin)
-        return sass_of(path)
+    cfg = d1.Sm90Config1d1d(bm, bn, d1.max_stages(bm, bn, SMEM_PER_BLOCK), d1.BAND_SIZE, 132)
+    compiled = d1.compile_kernel(int(n), cfg, kind == "k_grouped",
+                                 include_dir=headers)[1]
+    return _sass_of_cubin(compiled.cubin)
 
 
 def report(name: str, sass: str, within: int | None) -> int:

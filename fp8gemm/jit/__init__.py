@@ -13,10 +13,10 @@ SASS of each newly compiled kernel beside its cache entry.
 
 from .compiler import CompileError, CompilerUnavailable, CompiledCubin, get_compiler, nvrtc_available
 from .runtime import (Kernel, LaunchConfig, ParamPack, build, cache_key, clear_memory_cache,
-                      compile_cached, cuobjdump_path)
+                      compile_cached, cuobjdump_path, disassemble)
 from .tma import Swizzle, TensorMap, TensorMapCache, encode_tiled
 
 __all__ = ["CompileError", "CompilerUnavailable", "CompiledCubin", "get_compiler", "nvrtc_available",
            "Kernel", "LaunchConfig", "ParamPack", "build", "cache_key", "clear_memory_cache",
-           "compile_cached", "cuobjdump_path", "Swizzle", "TensorMap", "TensorMapCache",
+           "compile_cached", "cuobjdump_path", "disassemble", "Swizzle", "TensorMap", "TensorMapCache",
            "encode_tiled"]

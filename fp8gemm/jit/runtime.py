@@ -29,7 +29,7 @@ from .compiler import CompiledCubin, get_compiler
 from .tma import TensorMap
 
 __all__ = ["Kernel", "LaunchConfig", "ParamPack", "build", "cache_key", "clear_memory_cache",
-           "cuobjdump_path"]
+           "cuobjdump_path", "disassemble"]
 
 DEFAULT_ARCH = "sm_90a"
 _memory_cache: dict[tuple, Kernel] = {}
@@ -215,16 +215,23 @@ def cuobjdump_path() -> str | None:
     return None
 
 
-def _dump_sass(path: Path, cubin: bytes) -> None:
+def disassemble(cubin: bytes) -> subprocess.CompletedProcess | None:
+    """`cuobjdump -sass` of a cubin (text output); None without cuobjdump."""
     tool = cuobjdump_path()
     if tool is None:
-        print("[fp8gemm.jit] FP8GEMM_DUMP_SASS: no cuobjdump found", flush=True)
-        return
+        return None
     # NOTE: a private temporary file: processes compiling the same kernel dump it at once.
     with tempfile.TemporaryDirectory(prefix="fp8gemm-sass-") as tmp_dir:
         tmp = Path(tmp_dir) / "kernel.cubin"
         tmp.write_bytes(cubin)
-        out = subprocess.run([tool, "-sass", str(tmp)], capture_output=True, text=True)
+        return subprocess.run([tool, "-sass", str(tmp)], capture_output=True, text=True)
+
+
+def _dump_sass(path: Path, cubin: bytes) -> None:
+    out = disassemble(cubin)
+    if out is None:
+        print("[fp8gemm.jit] FP8GEMM_DUMP_SASS: no cuobjdump found", flush=True)
+        return
     cache.write_text_atomic(path.with_suffix(".sass"), out.stdout + out.stderr)
 
 

@@ -237,10 +237,13 @@ def kernel_source(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
 
 
 def compile_kernel(n: int, cfg: Sm90Config1d1d, k_grouped: bool = False,
-                   compiler: str | None = None, a_e5m2: bool = False):
-    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
-    return jit.compile_cached(*kernel_source(n, cfg, k_grouped, a_e5m2), (str(INCLUDE_DIR),),
-                              compiler=compiler)
+                   compiler: str | None = None, a_e5m2: bool = False,
+                   include_dir: Path | None = None):
+    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached).
+    include_dir: another copy of the kernel headers (to read a variant's SASS); None: the
+    module's INCLUDE_DIR, read at the call (scripts/cuda_tiles.py swaps it)."""
+    return jit.compile_cached(*kernel_source(n, cfg, k_grouped, a_e5m2),
+                              (str(include_dir or INCLUDE_DIR),), compiler=compiler)
 
 
 # --- launch --------------------------------------------------------------------------------------

@@ -440,10 +440,12 @@ def kernel_source(kind: GemmKind, n: int, k: int, cfg: Sm90Config, has_c: bool =
 
 
 def compile_kernel(kind: GemmKind, n: int, k: int, cfg: Sm90Config, compiler: str | None = None,
-                   has_c: bool = False, a_e5m2: bool = False):
-    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached)."""
+                   has_c: bool = False, a_e5m2: bool = False, include_dir: Path | None = None):
+    """Compile without loading (no GPU needed): (key, CompiledCubin, path, was_cached).
+    include_dir: another copy of the kernel headers (to read a variant's SASS); None: the
+    module's INCLUDE_DIR, read at the call (scripts/cuda_tiles.py swaps it)."""
     source, name = kernel_source(kind, n, k, cfg, has_c, a_e5m2)
-    return jit.compile_cached(source, name, (str(INCLUDE_DIR),), compiler=compiler)
+    return jit.compile_cached(source, name, (str(include_dir or INCLUDE_DIR),), compiler=compiler)
 
 
 # --- launch --------------------------------------------------------------------------------------
