@@ -122,11 +122,11 @@ def report(kernel: Kernel, top: int, per: float | None, loop: int) -> str:
     if total:
         out.append("  " + ", ".join(f"{k} {v / total:.1%}" for k, v in reasons.most_common() if v))
     out.append("by execution count (samples, instructions, top reasons):")
-    groups = sorted(classes(kernel.instrs).items(), key=lambda kv: -sums(kv[1])[0])
-    for count, ins in groups[:top]:
-        s, r = sums(ins)
+    groups = sorted(((count, len(ins), *sums(ins))
+                     for count, ins in classes(kernel.instrs).items()), key=lambda g: -g[2])
+    for count, n, s, r in groups[:top]:
         why = ", ".join(f"{k} {v:.0f}" for k, v in r.most_common(4))
-        out.append(f"  x{count:>10.0f}  {s:8.0f}  {len(ins):5d}  {why}")
+        out.append(f"  x{count:>10.0f}  {s:8.0f}  {n:5d}  {why}")
     loop_instrs = k_loop(kernel.instrs, loop)
     if per and loop_instrs:
         s, r = sums(loop_instrs)

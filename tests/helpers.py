@@ -495,3 +495,31 @@ FORCED_CONFIGS = [
     (37, 1000, 1040, 64, 96, 1, False, True),       # K tail of 16, N tail
     (256, 2048, 1152, 64, 64, 2, True, True),       # with multicast of A, a chunk and a tail
 ]
+
+
+# --- a model of an mbarrier, for the protocol simulations -----------------------------------
+class MBarrier:
+    """An mbarrier as the protocol simulations (tests/test_*_protocol.py) model it: phase parity,
+    pending arrivals and the transaction bytes still expected (a full barrier's loads)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.pending, self.completed, self.tx = count, count, 0, 0
+
+    def arrive(self, tx: int = 0) -> None:
+        self.pending -= 1
+        self.tx += tx
+        self._maybe_complete()
+
+    def complete_tx(self, tx: int) -> None:
+        self.tx -= tx
+        self._maybe_complete()
+
+    def _maybe_complete(self) -> None:
+        assert self.pending >= 0, "more arrivals than the barrier's count"
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = self.count
+
+    def done(self, parity: int) -> bool:
+        """try_wait.parity: the phase of this parity has completed."""
+        return (self.completed & 1) != parity

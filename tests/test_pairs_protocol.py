@@ -29,34 +29,10 @@ import random
 
 import pytest
 
+from helpers import MBarrier
+
 CTAS = 2
 READERS = 2  # math warpgroups a CTA
-
-
-class MBarrier:
-    """Phase parity, pending arrivals and the transaction bytes still expected (in loads)."""
-
-    def __init__(self, count: int) -> None:
-        self.count, self.pending, self.completed, self.tx = count, count, 0, 0
-
-    def arrive(self, tx: int = 0) -> None:
-        self.pending -= 1
-        self.tx += tx
-        self._maybe_complete()
-
-    def complete_tx(self, tx: int) -> None:
-        self.tx -= tx
-        self._maybe_complete()
-
-    def _maybe_complete(self) -> None:
-        assert self.pending >= 0, "more arrivals than the barrier's count"
-        if self.pending == 0 and self.tx == 0:
-            self.completed += 1
-            self.pending = self.count
-
-    def done(self, parity: int) -> bool:
-        """try_wait.parity: the phase of this parity has completed."""
-        return (self.completed & 1) != parity
 
 
 def empty_count(design: str, rank: int) -> int:
